@@ -1,0 +1,404 @@
+"""Block pool: owns every block, the free queue (LRU eviction order), the prefix-cache hash map,
+the null block and the event queue. Knows nothing of requests' lifecycles or attention types.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from pagedkv.block import BlockHash, KVCacheBlock
+from pagedkv.errors import ConfigError, InvalidArgumentError, InvariantViolation
+from pagedkv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from pagedkv.free_queue import FreeKVCacheBlockQueue
+from pagedkv.hashing import generate_block_hash_extra_keys, to_event_extra_keys
+
+if TYPE_CHECKING:
+    from pagedkv.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class BlockResidencyObserver(Protocol):
+    """Hooks for sampled block-residency metrics (see `pagedkv.residency`)."""
+
+    def on_block_allocated(self, block: KVCacheBlock) -> None: ...
+    def on_block_accessed(self, block: KVCacheBlock) -> None: ...
+    def on_block_evicted(self, block: KVCacheBlock) -> None: ...
+    def reset(self) -> None: ...
+
+
+class BlockPool:
+    """All KV-cache blocks of one device, shared by every KV-cache group.
+
+    Invariants (`check_invariants`):
+    - `blocks[i].block_id == i`; block 0 is the null block: never free, hashed or counted.
+    - A block is in the free queue iff `ref_cnt == 0` and it is not the null block.
+    - A block has a `block_hash` iff the hash map of `hash_group_id` lists it under that hash.
+    - Free-queue order is eviction order: allocation pops the head; freed unhashed blocks go
+      to the head, freed hashed blocks to the tail; a cached free block keeps its hash until it
+      is handed out again (lazy eviction).
+    - Several blocks may share one hash (no de-duplication); lookups return the first cached.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        hash_block_size: int = 16,
+        num_kv_cache_groups: int = 1,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: BlockResidencyObserver | None = None,
+        medium: str = MEDIUM_GPU,
+    ) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
+            raise ConfigError(
+                f"num_blocks={num_blocks!r}: a pool needs at least 2 blocks (block 0 is the null "
+                "block)"
+            )
+        if not isinstance(hash_block_size, int) or hash_block_size <= 0:
+            raise ConfigError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
+        if num_kv_cache_groups < 1:
+            raise ConfigError(f"num_kv_cache_groups={num_kv_cache_groups} must be >= 1")
+        self.num_gpu_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.num_kv_cache_groups = num_kv_cache_groups
+        self.medium = medium
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # Hot path: one dict per group keyed by the raw hash (no key concatenation). The first
+        # block cached under a hash lives here; later duplicates wait in `_duplicates`.
+        self.hash_to_block: list[dict[BlockHash, KVCacheBlock]] = [
+            {} for _ in range(num_kv_cache_groups)
+        ]
+        self._duplicates: list[dict[BlockHash, dict[int, KVCacheBlock]]] = [
+            {} for _ in range(num_kv_cache_groups)
+        ]
+        self.null_block = self.free_block_queue.popleft()
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
+        self.metrics_collector = metrics_collector
+
+    # ------------------------------------------------------------------ lookups
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """The cached block for `block_hash` in each group, or None unless every group has one."""
+        maps = self.hash_to_block
+        found = []
+        for group_id in kv_cache_group_ids:
+            block = maps[group_id].get(block_hash)
+            if block is None:
+                return None
+            found.append(block)
+        return found
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks in use (cached-but-free blocks count as free)."""
+        usable = self.num_gpu_blocks - 1
+        return 1.0 - self.free_block_queue.num_free_blocks / usable
+
+    # ------------------------------------------------------------------ allocation
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop `num_blocks` blocks from the head of the free queue, evicting their cache entries."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise InvalidArgumentError(
+                f"cannot allocate {num_blocks} blocks: only "
+                f"{self.free_block_queue.num_free_blocks} are free"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        collector = self.metrics_collector
+        if self.enable_caching:
+            evict = self._maybe_evict_cached_block
+            for block in blocks:
+                if block.block_hash is not None:
+                    evict(block)
+                block.ref_cnt = 1
+        else:
+            for block in blocks:
+                block.ref_cnt = 1
+        if collector is not None:
+            for block in blocks:
+                collector.on_block_allocated(block)
+        return blocks
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Add a reference to each block (a prefix hit), taking free ones out of the free queue."""
+        null_block = self.null_block
+        remove = self.free_block_queue.remove
+        for block in blocks:
+            if block is null_block:
+                continue
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+        collector = self.metrics_collector
+        if collector is not None:
+            for block in blocks:
+                if block is not null_block:
+                    collector.on_block_accessed(block)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching zero rejoin the free queue.
+
+        Unhashed blocks go to the head in the order given (reused first); hashed blocks go to
+        the tail (evicted last). Callers pass a request's blocks in reverse, so a prefix's tail
+        is evicted before its head.
+        """
+        null_block = self.null_block
+        to_head: list[KVCacheBlock] = []
+        to_tail: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            if block is null_block:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    to_head.append(block)
+                else:
+                    to_tail.append(block)
+        if to_head:
+            self.free_block_queue.prepend_n(to_head)
+        if to_tail:
+            self.free_block_queue.append_n(to_tail)
+
+    # ------------------------------------------------------------------ caching
+
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        """Enter blocks [num_cached_blocks, num_full_blocks) of a request into the cache.
+
+        `block_hashes` are the request's hashes at this group's block size. Null blocks are
+        skipped. Emits one `BlockStored` covering the newly cached blocks.
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        if len(block_hashes) < num_full_blocks:
+            raise InvariantViolation(
+                f"request {request.request_id!r} has {len(block_hashes)} block hashes, "
+                f"{num_full_blocks} needed to cache its full blocks"
+            )
+        hash_map = self.hash_to_block[kv_cache_group_id]
+        null_block = self.null_block
+        new_hashes: list[BlockHash] = []
+        new_indices: list[int] = []
+        for index in range(num_cached_blocks, num_full_blocks):
+            block = blocks[index]
+            if block is null_block:
+                continue
+            if block.block_hash is not None:
+                # Already cached (a hit adopted at a different position cannot happen; a block
+                # is hashed once). Keep the existing entry.
+                continue
+            block_hash = block_hashes[index]
+            block.block_hash = block_hash
+            block.hash_group_id = kv_cache_group_id
+            first = hash_map.setdefault(block_hash, block)
+            if first is not block:
+                self._duplicates[kv_cache_group_id].setdefault(block_hash, {})[
+                    block.block_id
+                ] = block
+            if self.enable_kv_cache_events:
+                new_hashes.append(block_hash)
+                new_indices.append(index)
+        if self.enable_kv_cache_events and new_hashes:
+            self.kv_event_queue.append(
+                self._block_stored_event(
+                    request, block_hashes, new_hashes, new_indices, num_cached_blocks,
+                    num_full_blocks, block_size, kv_cache_group_id,
+                )
+            )
+
+    def _block_stored_event(
+        self,
+        request: Request,
+        block_hashes: Sequence[BlockHash],
+        new_hashes: list[BlockHash],
+        new_indices: list[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        group_id: int,
+    ) -> BlockStored:
+        # The parent comes from the request's hash list, so a null physical parent (a block
+        # outside a sliding window) still yields the logical parent.
+        parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
+        start_token = num_cached_blocks * block_size
+        end_token = num_full_blocks * block_size
+        extra_keys = None
+        if request.has_extra_keys:
+            per_block = []
+            cursor = 0
+            for index in new_indices:
+                keys, cursor = generate_block_hash_extra_keys(
+                    request, index * block_size, (index + 1) * block_size, cursor
+                )
+                per_block.append(to_event_extra_keys(keys))
+            if any(keys is not None for keys in per_block):
+                extra_keys = per_block
+        lora = request.lora_request
+        return BlockStored(
+            block_hashes=new_hashes,
+            parent_block_hash=parent,
+            token_ids=request.all_token_ids[start_token:end_token],
+            block_size=block_size,
+            lora_id=lora.adapter_id if lora is not None else None,
+            medium=self.medium,
+            lora_name=lora.name if lora is not None else None,
+            extra_keys=extra_keys,
+            group_idx=group_id,
+            session_id=request.session_id,
+        )
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drop `block`'s prefix-cache entry if it has one; return whether it had."""
+        block_hash = block.block_hash
+        if block_hash is None:
+            return False
+        group_id = block.hash_group_id
+        if self.metrics_collector is not None:
+            self.metrics_collector.on_block_evicted(block)
+        hash_map = self.hash_to_block[group_id]
+        duplicates = self._duplicates[group_id]
+        if hash_map.get(block_hash) is block:
+            others = duplicates.get(block_hash)
+            if others:
+                # Promote the earliest remaining duplicate so lookups keep "first cached wins".
+                promoted_id = next(iter(others))
+                hash_map[block_hash] = others.pop(promoted_id)
+                if not others:
+                    del duplicates[block_hash]
+            else:
+                del hash_map[block_hash]
+        else:
+            others = duplicates.get(block_hash)
+            if others is None or others.pop(block.block_id, None) is None:
+                raise InvariantViolation(
+                    f"block {block.block_id} has a hash but is not in the hash map"
+                )
+            if not others:
+                del duplicates[block_hash]
+        block.block_hash = None
+        block.hash_group_id = 0
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockRemoved(block_hashes=[block_hash], medium=self.medium, group_idx=group_id)
+            )
+        return True
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the cache entries of the given blocks; ref counts and free queue stay."""
+        ids = list(block_ids)
+        for block_id in ids:
+            if not isinstance(block_id, int) or not 0 <= block_id < self.num_gpu_blocks:
+                raise InvalidArgumentError(
+                    f"evict_blocks: block id {block_id!r} is not in [0, {self.num_gpu_blocks})"
+                )
+        for block_id in ids:
+            self._maybe_evict_cached_block(self.blocks[block_id])
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is held."""
+        num_used = self.num_gpu_blocks - 1 - self.free_block_queue.num_free_blocks
+        if num_used > 0:
+            logger.warning(
+                "Failed to reset the prefix cache: %d blocks are still held by requests", num_used
+            )
+            return False
+        self.hash_to_block = [{} for _ in range(self.num_kv_cache_groups)]
+        self._duplicates = [{} for _ in range(self.num_kv_cache_groups)]
+        for block in self.blocks:
+            block.block_hash = None
+            block.hash_group_id = 0
+        if self.metrics_collector is not None:
+            self.metrics_collector.reset()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the event queue (an empty list when events are off)."""
+        if not self.kv_event_queue:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+    # ------------------------------------------------------------------ read helpers
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in eviction order (head, the next to reuse, first)."""
+        return [block.block_id for block in self.free_block_queue]
+
+    def cached_hashes(self, kv_cache_group_id: int = 0) -> dict[BlockHash, list[int]]:
+        """Hash → cached block ids (first-cached first) for one group."""
+        out = {h: [b.block_id] for h, b in self.hash_to_block[kv_cache_group_id].items()}
+        for block_hash, others in self._duplicates[kv_cache_group_id].items():
+            out[block_hash].extend(others)
+        return out
+
+    def num_cached_blocks(self) -> int:
+        """Blocks currently in the prefix cache, all groups."""
+        return sum(len(m) for m in self.hash_to_block) + sum(
+            len(d) for dups in self._duplicates for d in dups.values()
+        )
+
+    def check_invariants(self) -> None:
+        """Verify the pool's invariants; raise `InvariantViolation` on the first broken one."""
+        self.free_block_queue.check_invariants()
+        if self.blocks[0] is not self.null_block:
+            raise InvariantViolation("block 0 is not the null block")
+        null = self.null_block
+        if null.prev_free_block is not None or null.next_free_block is not None:
+            raise InvariantViolation("the null block is linked in the free queue")
+        if null.block_hash is not None:
+            raise InvariantViolation("the null block has a hash")
+        linked = {id(b) for b in self.free_block_queue}
+        for block_id, block in enumerate(self.blocks):
+            if block.block_id != block_id:
+                raise InvariantViolation(f"blocks[{block_id}].block_id == {block.block_id}")
+            if block is null:
+                continue
+            if block.ref_cnt < 0:
+                raise InvariantViolation(f"block {block_id} has ref_cnt {block.ref_cnt}")
+            if (block.ref_cnt == 0) != (id(block) in linked):
+                raise InvariantViolation(
+                    f"block {block_id}: ref_cnt {block.ref_cnt} but "
+                    f"{'in' if id(block) in linked else 'not in'} the free queue"
+                )
+            if block.block_hash is not None:
+                if not self.enable_caching:
+                    raise InvariantViolation(f"block {block_id} hashed with caching disabled")
+                group = block.hash_group_id
+                in_map = self.hash_to_block[group].get(block.block_hash) is block or (
+                    self._duplicates[group].get(block.block_hash, {}).get(block_id) is block
+                )
+                if not in_map:
+                    raise InvariantViolation(f"block {block_id} has a hash but no map entry")
+        for group_id, hash_map in enumerate(self.hash_to_block):
+            for block_hash, block in hash_map.items():
+                if block.block_hash != block_hash or block.hash_group_id != group_id:
+                    raise InvariantViolation(
+                        f"map entry of group {group_id} points at block {block.block_id} whose "
+                        "hash differs"
+                    )
+            for block_hash, others in self._duplicates[group_id].items():
+                if block_hash not in hash_map or not others:
+                    raise InvariantViolation("duplicate entry without a primary entry")
+                for block_id, block in others.items():
+                    if block.block_id != block_id or block.block_hash != block_hash:
+                        raise InvariantViolation(f"stale duplicate entry for block {block_id}")

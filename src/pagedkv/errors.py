@@ -1,0 +1,51 @@
+"""Leaf: the exception hierarchy. Every misuse of pagedkv raises a `PagedKVError` subclass.
+
+Each class also derives from the builtin a caller would naturally catch (`ValueError`,
+`TypeError`, `KeyError`), so code written against vLLM's assertions and `ValueError`s keeps working.
+"""
+
+from __future__ import annotations
+
+
+class PagedKVError(Exception):
+    """Base class of every error pagedkv raises on purpose."""
+
+
+class InvalidArgumentError(PagedKVError, ValueError):
+    """An argument has the right type but an impossible value (names the value)."""
+
+
+class InvalidTypeError(PagedKVError, TypeError):
+    """An argument has the wrong type (for example a float token id)."""
+
+
+class ConfigError(PagedKVError, ValueError):
+    """A spec, group or manager configuration cannot work (checked at construction)."""
+
+
+class UnknownHashAlgorithmError(ConfigError):
+    """The prefix-cache hash algorithm name is not one pagedkv knows."""
+
+
+class MissingDependencyError(PagedKVError, ImportError):
+    """An optional extra is needed for the feature asked for."""
+
+
+class RequestStateError(PagedKVError, ValueError):
+    """The request is in a state that forbids the call (finished, reused id, stale hit)."""
+
+
+class ForeignBlockError(PagedKVError, ValueError):
+    """A block passed in does not belong to this pool, or is not the one the pool holds."""
+
+
+class GroupIndexError(PagedKVError, IndexError):
+    """A KV-cache group index is out of range."""
+
+
+class InvariantViolation(PagedKVError, AssertionError):
+    """`check_invariants()` found a broken internal invariant (a bug, never user error)."""
+
+
+class NotEnoughMemoryError(PagedKVError, ValueError):
+    """Memory sizing: the budget cannot hold even one request of `max_model_len` tokens."""

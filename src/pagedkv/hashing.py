@@ -1,0 +1,361 @@
+"""Leaf: prefix-cache block hashing (chained hashes, extra keys, root seed, algorithms).
+
+`h_i = H(h_{i-1} or ROOT, tokens_i, extra_keys_i)`. The request owns its hashes and extends them
+as tokens arrive (`RequestBlockHasher`); the pool only reads them. Knows nothing of blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from array import array
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pagedkv.block import BlockHash
+from pagedkv.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    MissingDependencyError,
+    UnknownHashAlgorithmError,
+)
+
+if TYPE_CHECKING:
+    from pagedkv.request import Request
+
+HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxh3_128")
+_ALIASES = {"xxhash": "xxh3_128"}
+
+# The seed the reference uses for its deterministic cryptographic hashes. `sha256_cbor` must use
+# the same one to be byte-identical with the reference.
+REFERENCE_SEED = "vllm-none-hash"
+PAGEDKV_SEED = "pagedkv-none-hash"
+# Version tag of our compact encoding; bump it if the byte layout below ever changes.
+ENCODING_VERSION = b"pagedkv-block-hash/v1"
+
+MAX_TOKEN_ID = 2**32 - 1
+assert array("I").itemsize == 4, "pagedkv needs a 4-byte C unsigned int"
+_NEEDS_BYTESWAP = sys.byteorder != "little"
+
+ExtraKey = tuple[Any, ...]
+ExtraKeys = tuple[ExtraKey, ...]
+
+
+def canonical_algorithm(name: str) -> str:
+    """Return the canonical algorithm name, or raise `UnknownHashAlgorithmError`."""
+    canonical = _ALIASES.get(name, name)
+    if canonical not in HASH_ALGORITHMS:
+        raise UnknownHashAlgorithmError(
+            f"unknown prefix-cache hash algorithm {name!r}; choose one of {HASH_ALGORITHMS}"
+        )
+    return canonical
+
+
+def resolve_root_seed(algorithm: str, seed: str | None = None) -> str:
+    """The root seed: `seed` if given, else `$PYTHONHASHSEED`, else a default per algorithm.
+
+    As in the reference, the cryptographic algorithms default to a fixed string so that
+    independent processes and nodes agree on hashes; `xxh3_128` (not collision resistant)
+    defaults to 32 random bytes per process, so collisions cannot be crafted offline.
+    """
+    algorithm = canonical_algorithm(algorithm)
+    if seed is not None:
+        return seed
+    env_seed = os.environ.get("PYTHONHASHSEED")
+    if env_seed is not None:
+        return env_seed
+    if algorithm == "sha256_cbor":
+        return REFERENCE_SEED
+    if algorithm == "sha256":
+        return PAGEDKV_SEED
+    return os.urandom(32).hex()
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Pack token ids as little-endian uint32; raise naming the first bad token id."""
+    try:
+        packed = array("I", token_ids)
+    except (TypeError, OverflowError) as exc:
+        _raise_bad_token(token_ids, exc)
+    if _NEEDS_BYTESWAP:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _raise_bad_token(token_ids: Sequence[int], exc: Exception) -> None:
+    for position, token in enumerate(token_ids):
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise InvalidTypeError(
+                f"token id at position {position} is {token!r} ({type(token).__name__}); "
+                "token ids must be int"
+            ) from exc
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise InvalidArgumentError(
+                f"token id at position {position} is {token}; token ids must be in "
+                f"[0, {MAX_TOKEN_ID}]"
+            ) from exc
+    raise InvalidTypeError(f"token ids could not be packed: {exc}") from exc
+
+
+def _encode_extra_keys(extra_keys: ExtraKeys) -> bytes:
+    """Injective byte encoding of tagged extra keys: tag, then length-prefixed fields."""
+    out = bytearray()
+    for key in extra_keys:
+        tag = key[0]
+        out += len(tag).to_bytes(1, "little") + tag.encode()
+        for field_value in key[1:]:
+            if isinstance(field_value, str):
+                data = field_value.encode()
+                out += b"s" + len(data).to_bytes(4, "little") + data
+            elif isinstance(field_value, bytes):
+                out += b"b" + len(field_value).to_bytes(4, "little") + field_value
+            elif isinstance(field_value, int):
+                out += b"i" + field_value.to_bytes(8, "little", signed=True)
+            elif field_value is None:
+                out += b"n"
+            else:
+                raise InvalidTypeError(f"unsupported extra-key field {field_value!r}")
+        out += b";"
+    return bytes(out)
+
+
+class BlockHasher:
+    """One hash algorithm with its root: hashes single blocks of a fixed size.
+
+    Invariant: `none_hash` (the root that replaces a missing parent) is computed at run time
+    from the resolved seed, never a constant.
+    """
+
+    __slots__ = ("algorithm", "block_size", "seed", "none_hash", "_digest_packed", "_is_sha256")
+
+    def __init__(self, algorithm: str = "sha256", block_size: int = 16, seed: str | None = None):
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise InvalidArgumentError(f"hash block_size must be a positive int, got {block_size!r}")
+        self.algorithm = canonical_algorithm(algorithm)
+        self.block_size = block_size
+        self.seed = resolve_root_seed(self.algorithm, seed)
+        self._digest_packed: Callable[[bytes], bytes] | None
+        self._is_sha256 = self.algorithm == "sha256"
+        if self.algorithm == "sha256":
+            sha256 = hashlib.sha256
+            self._digest_packed = lambda data: sha256(data).digest()
+            root_input = ENCODING_VERSION + block_size.to_bytes(4, "little") + self.seed.encode()
+            self.none_hash = BlockHash(sha256(root_input).digest())
+        elif self.algorithm == "xxh3_128":
+            try:
+                import xxhash
+            except ImportError as exc:
+                raise MissingDependencyError(
+                    "hash algorithm 'xxh3_128' needs xxhash: pip install 'pagedkv[hashing]'"
+                ) from exc
+            self._digest_packed = xxhash.xxh3_128_digest
+            root_input = ENCODING_VERSION + block_size.to_bytes(4, "little") + self.seed.encode()
+            self.none_hash = BlockHash(xxhash.xxh3_128_digest(root_input))
+        else:  # sha256_cbor: the reference's canonical-CBOR tuple, byte for byte
+            self._digest_packed = None
+            self.none_hash = BlockHash(hashlib.sha256(_cbor_dumps(self.seed)).digest())
+
+    def hash_block_tokens(
+        self,
+        parent_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        extra_keys: ExtraKeys | None = None,
+    ) -> BlockHash:
+        """Hash one full block given its parent's hash (None for the first block)."""
+        parent = parent_hash if parent_hash else self.none_hash
+        if self._digest_packed is None:
+            payload = (parent, tuple(token_ids), extra_keys or None)
+            return BlockHash(hashlib.sha256(_cbor_dumps(payload)).digest())
+        data = parent + pack_token_ids(token_ids)
+        if extra_keys:
+            data += _encode_extra_keys(extra_keys)
+        return BlockHash(self._digest_packed(data))
+
+    def hash_packed_blocks(
+        self, parent_hash: BlockHash | None, packed: bytes, num_blocks: int
+    ) -> list[BlockHash]:
+        """Hash `num_blocks` consecutive blocks of packed tokens that carry no extra keys."""
+        digest = self._digest_packed
+        assert digest is not None
+        step = self.block_size * 4
+        parent = parent_hash if parent_hash else self.none_hash
+        hashes: list[BlockHash] = [None] * num_blocks  # type: ignore[list-item]
+        # Hot path: per block one slice, one concat and one digest; hashlib is called directly
+        # (not through a wrapper) because a Python-level call per block costs as much as SHA-256.
+        if self._is_sha256:
+            sha256 = hashlib.sha256
+            for i in range(num_blocks):
+                parent = sha256(parent + packed[i * step : (i + 1) * step]).digest()
+                hashes[i] = parent  # type: ignore[call-overload]
+        else:
+            for i in range(num_blocks):
+                parent = digest(parent + packed[i * step : (i + 1) * step])
+                hashes[i] = parent  # type: ignore[call-overload]
+        return hashes
+
+
+def _cbor_dumps(obj: object) -> bytes:
+    try:
+        import cbor2
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "hash algorithm 'sha256_cbor' needs cbor2: pip install 'pagedkv[hashing]'"
+        ) from exc
+    return cbor2.dumps(obj, canonical=True)
+
+
+# ----------------------------------------------------------------------------- extra keys
+
+
+def _mm_extra_keys(request: Request, start: int, end: int, cursor: int) -> tuple[list, int]:
+    """Multimodal keys for features overlapping [start, end); returns keys and a new cursor."""
+    features = request.mm_features
+    keys: list[ExtraKey] = []
+    index = cursor
+    # Features are sorted by offset; skip the ones that ended before this block.
+    while index < len(features) and features[index].offset + features[index].length <= start:
+        index += 1
+    next_cursor = index
+    while index < len(features) and features[index].offset < end:
+        feature = features[index]
+        if feature.offset + feature.length > start:
+            keys.append(("mm", feature.identifier, feature.offset - start))
+        index += 1
+    return keys, next_cursor
+
+
+def generate_block_hash_extra_keys(
+    request: Request, start: int, end: int, mm_cursor: int = 0
+) -> tuple[ExtraKeys | None, int]:
+    """Tagged extra keys of the block [start, end): LoRA, multimodal, salt, prompt embeds.
+
+    Returns the keys (None when there are none) and the multimodal cursor for the next block.
+    """
+    keys: list[ExtraKey] = []
+    lora = request.lora_request
+    if lora is not None:
+        keys.append(("lora", lora.name, lora.path))
+    if request.mm_features:
+        mm_keys, mm_cursor = _mm_extra_keys(request, start, end, mm_cursor)
+        keys.extend(mm_keys)
+    if start == 0 and request.cache_salt:
+        keys.append(("cache_salt", request.cache_salt))
+    if request.prompt_embeds is not None and end <= request.num_prompt_tokens:
+        keys.append(("prompt_embeds", request.prompt_embeds_digest(start, end)))
+    return (tuple(keys) if keys else None), mm_cursor
+
+
+def to_event_extra_keys(extra_keys: ExtraKeys | None) -> tuple | None:
+    """Strip tags for events: LoRA → name, salt → salt, embeds → digest, mm → (id, offset)."""
+    if not extra_keys:
+        return None
+    out: list[Any] = []
+    for key in extra_keys:
+        tag = key[0]
+        if tag == "mm":
+            out.append((key[1], key[2]))
+        else:
+            out.append(key[1])
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- request hasher
+
+
+class RequestBlockHasher:
+    """Extends `request.block_hashes` with the hashes of newly full blocks.
+
+    Called by `Request` at construction and after every token append; it hashes only blocks
+    `[len(request.block_hashes), num_tokens // hash_block_size)`, so calling it twice is a no-op.
+    """
+
+    __slots__ = ("hasher", "hash_block_size")
+
+    def __init__(self, hash_block_size: int, algorithm: str = "sha256", seed: str | None = None):
+        self.hasher = BlockHasher(algorithm, hash_block_size, seed)
+        self.hash_block_size = hash_block_size
+
+    @property
+    def algorithm(self) -> str:
+        return self.hasher.algorithm
+
+    @property
+    def none_hash(self) -> BlockHash:
+        return self.hasher.none_hash
+
+    def __call__(self, request: Request) -> list[BlockHash]:
+        """Return the hashes of the request's newly full blocks (does not append them)."""
+        block_size = self.hash_block_size
+        start_block = len(request.block_hashes)
+        end_block = request.num_tokens // block_size
+        if end_block <= start_block:
+            return []
+        parent = request.block_hashes[-1] if start_block else None
+        tokens = request.all_token_ids
+        hasher = self.hasher
+        if not request.has_extra_keys and hasher._digest_packed is not None:
+            packed = pack_token_ids(tokens[start_block * block_size : end_block * block_size])
+            return hasher.hash_packed_blocks(parent, packed, end_block - start_block)
+        hashes: list[BlockHash] = []
+        cursor = request.mm_hash_cursor
+        for block_index in range(start_block, end_block):
+            start = block_index * block_size
+            end = start + block_size
+            extra, cursor = generate_block_hash_extra_keys(request, start, end, cursor)
+            parent = hasher.hash_block_tokens(parent, tokens[start:end], extra)
+            hashes.append(parent)
+        request.mm_hash_cursor = cursor
+        return hashes
+
+
+def make_request_block_hasher(
+    hash_block_size: int, algorithm: str = "sha256", seed: str | None = None
+) -> RequestBlockHasher:
+    """Build the hasher a `Request` calls to extend its block hashes."""
+    return RequestBlockHasher(hash_block_size, algorithm, seed)
+
+
+# ----------------------------------------------------------------------------- coarse view
+
+
+class CoarseBlockHashes(Sequence[BlockHash]):
+    """Hashes at a coarser block size, viewed over the fine `hash_block_size` chain.
+
+    Element j is the fine hash at the last fine boundary inside coarse block j,
+    `fine[(j + 1) * k - 1]` with `k = block_size // hash_block_size`: every fine hash already
+    chains over the whole prefix, so it identifies the coarse block too. Allocates nothing.
+    """
+
+    __slots__ = ("fine_hashes", "scale")
+
+    def __init__(self, fine_hashes: Sequence[BlockHash], scale: int) -> None:
+        self.fine_hashes = fine_hashes
+        self.scale = scale
+
+    def __len__(self) -> int:
+        return len(self.fine_hashes) // self.scale
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not isinstance(index, int):
+            raise InvalidTypeError(f"CoarseBlockHashes index must be int or slice, got {index!r}")
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.fine_hashes[(index + 1) * self.scale - 1]
+
+
+def resolve_block_hashes(
+    fine_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int
+) -> Sequence[BlockHash]:
+    """The request's hashes as seen by a group of `block_size` (the raw list when equal)."""
+    if block_size == hash_block_size:
+        return fine_hashes
+    if block_size % hash_block_size:
+        raise InvalidArgumentError(
+            f"block_size {block_size} is not a multiple of hash_block_size {hash_block_size}"
+        )
+    return CoarseBlockHashes(fine_hashes, block_size // hash_block_size)

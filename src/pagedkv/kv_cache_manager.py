@@ -1,0 +1,520 @@
+"""Facade: the scheduler-facing KV-cache manager (the reference's `KVCacheManager` API).
+
+Validates every argument before touching state, applies the watermark and admission gates,
+and drives the coordinator. Knows nothing of scheduling policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from pagedkv.block import KVCacheBlock
+from pagedkv.block_pool import BlockResidencyObserver
+from pagedkv.coordinator import make_coordinator
+from pagedkv.errors import (
+    ConfigError,
+    ForeignBlockError,
+    GroupIndexError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    InvariantViolation,
+    RequestStateError,
+)
+from pagedkv.events import BlockStored, KVCacheEvent
+from pagedkv.request import Request, RequestStatus
+from pagedkv.specs import KVCacheConfig, SlidingWindowSpec
+from pagedkv.stats import PrefixCacheStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVCacheBlocks:
+    """Blocks per KV-cache group: `blocks[g][j]` is the j-th block of group g."""
+
+    blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(
+            tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks, strict=True))
+        )
+
+    def get_block_ids(
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None:
+        """Block ids per group (optionally selected and reordered by `group_ids`)."""
+        if group_ids is None:
+            selected = self.blocks
+        else:
+            for group_id in group_ids:
+                if not 0 <= group_id < len(self.blocks):
+                    raise GroupIndexError(
+                        f"group index {group_id} is out of range for {len(self.blocks)} groups"
+                    )
+            selected = tuple(self.blocks[group_id] for group_id in group_ids)
+        if allow_none and all(not blocks for blocks in selected):
+            return None
+        return tuple([block.block_id for block in blocks] for blocks in selected)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """Ids of blocks not yet in the prefix cache (exactly one group)."""
+        if len(self.blocks) != 1:
+            raise InvalidArgumentError(
+                f"get_unhashed_block_ids needs exactly one group, there are {len(self.blocks)}"
+            )
+        return [block.block_id for block in self.blocks[0] if block.block_hash is None]
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return [
+            [b.block_id for b in blocks if b.block_hash is None and b.block_id != 0]
+            for blocks in self.blocks
+        ]
+
+    def new_empty(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(() for _ in self.blocks))
+
+
+class ComputedBlocks(NamedTuple):
+    """Result of `get_computed_blocks`: hit blocks, hit tokens, shared-prefix boundary."""
+
+    blocks: KVCacheBlocks
+    num_computed_tokens: int
+    shared_prefix_boundary: int
+
+
+def _check_count(name: str, value: object, minimum: int = 0) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidTypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+
+
+class KVCacheManager:
+    """Paged KV-cache blocks for a scheduler, with prefix caching.
+
+    Contracts: `get_computed_blocks` changes nothing; `allocate_slots` validates and counts
+    first and changes nothing unless the whole allocation fits (the window frees of stage 7
+    aside); it returns only the newly allocated blocks, or None.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int | None = None,
+        hash_block_size: int | None = None,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: BlockResidencyObserver | None = None,
+        watermark: float = 0.0,
+    ) -> None:
+        if not isinstance(kv_cache_config, KVCacheConfig):
+            raise ConfigError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
+        _check_count("max_model_len", max_model_len, 1)
+        if not isinstance(watermark, (int, float)) or not 0.0 <= watermark < 1.0:
+            raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark!r}")
+        groups = kv_cache_config.kv_cache_groups
+        block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        if scheduler_block_size is None:
+            scheduler_block_size = _lcm(block_sizes) if block_sizes else 1
+        if hash_block_size is None:
+            hash_block_size = _gcd(block_sizes) if block_sizes else 1
+        _check_count("scheduler_block_size", scheduler_block_size, 1)
+        _check_count("hash_block_size", hash_block_size, 1)
+        if scheduler_block_size % hash_block_size:
+            raise ConfigError(
+                f"scheduler_block_size {scheduler_block_size} is not a multiple of "
+                f"hash_block_size {hash_block_size}"
+            )
+        for group_id, block_size in enumerate(block_sizes):
+            if scheduler_block_size % block_size:
+                raise ConfigError(
+                    f"group {group_id}'s block size {block_size} does not divide "
+                    f"scheduler_block_size {scheduler_block_size}"
+                )
+        if max_in_flight_tokens is not None:
+            _check_count("max_in_flight_tokens", max_in_flight_tokens, 1)
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.scheduler_block_size = scheduler_block_size
+        self.hash_block_size = hash_block_size
+        self.max_in_flight_tokens = max_in_flight_tokens or max_model_len
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.log_stats = log_stats
+        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
+        self.num_kv_cache_groups = len(groups)
+        self.watermark = watermark
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.coordinator = make_coordinator(
+            kv_cache_config,
+            max_model_len,
+            hash_block_size,
+            enable_caching,
+            enable_kv_cache_events,
+            self.max_in_flight_tokens,
+            metrics_collector,
+        )
+        self.block_pool = self.coordinator.block_pool
+        self.kv_cache_event_metadata = tuple(
+            (
+                g.kv_cache_spec.kind,
+                g.kv_cache_spec.sliding_window
+                if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+                else None,
+            )
+            for g in groups
+        )
+        # Shared immutable results; callers may test them with `is`.
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
+        self._empty_hits: tuple[Sequence[KVCacheBlock], ...] = tuple(() for _ in groups)
+        # Live requests (holding blocks) by id, to reject a reused id.
+        self._requests: dict[str, Request] = {}
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Return the stats gathered since the last call and start new ones (None if off)."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count one admitted request's lookup (preempted requests apart)."""
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix of the request (at most `num_tokens - 1`); changes nothing."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return ComputedBlocks(self.empty_kv_cache_blocks, 0, 0)
+        # Keep at least one token to compute, so the model produces logits.
+        max_cache_hit_length = request.num_tokens - 1
+        hit_blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, max_cache_hit_length
+        )
+        return ComputedBlocks(self.create_kv_cache_blocks(hit_blocks), num_hit_tokens, 0)
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.get_blocks(request_id).get_block_ids()  # type: ignore[return-value]
+
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
+        if all(not group for group in blocks):
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(blocks)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, leading blocks of the request held by every request holding blocks."""
+        return self.coordinator.get_num_common_prefix_blocks(running_request_id)
+
+    # ------------------------------------------------------------------ allocation
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+    ) -> KVCacheBlocks | None:
+        """Make room for `num_new_tokens` more tokens of `request` (layout in docs/design.md).
+
+        Returns:
+            The newly allocated blocks per group (the shared empty value if none), or None if
+            they do not fit, in which case nothing was allocated.
+        """
+        hits = self._validate_allocation(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            num_encoder_tokens,
+            reserved_blocks,
+        )
+        coordinator = self.coordinator
+        request_id = request.request_id
+        max_model_len = self.max_model_len
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(num_local_computed + num_external_computed_tokens, max_model_len)
+        # The watermark holds back blocks from new admissions only; a running request may use
+        # every block, and the very first admission is never blocked.
+        watermark_blocks = (
+            self.watermark_blocks
+            if has_scheduled_reqs
+            and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            else 0
+        )
+        num_free = self.block_pool.free_block_queue.num_free_blocks
+        if full_sequence_must_fit:
+            num_needed = coordinator.get_num_blocks_to_allocate(
+                request_id,
+                min(request.num_tokens, max_model_len),
+                hits,
+                total_computed,
+                num_encoder_tokens,
+                apply_admission_cap=True,
+            )
+            if num_needed + watermark_blocks > num_free:
+                return None
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, max_model_len)
+        # Free blocks that fell out of the attention window, on the processed-token basis.
+        coordinator.remove_skipped_blocks(
+            request_id, max(0, total_computed - request.num_in_flight_tokens)
+        )
+        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+            request_id, num_tokens_need_slot, hits, total_computed, num_encoder_tokens
+        )
+        num_available = self.block_pool.free_block_queue.num_free_blocks - reserved_blocks
+        if num_blocks_to_allocate + watermark_blocks > num_available:
+            return None
+        if hits is not self._empty_hits or num_external_computed_tokens > 0:
+            coordinator.allocate_new_computed_blocks(request_id, hits, num_local_computed)
+        new_blocks = coordinator.allocate_new_blocks(
+            request_id, num_tokens_need_slot, num_encoder_tokens
+        )
+        self._requests[request_id] = request
+        if self.enable_caching and not delay_cache_blocks:
+            # Capped at num_tokens: unverified draft tokens never enter the cache.
+            coordinator.cache_blocks(
+                request, min(total_computed + num_new_tokens, request.num_tokens)
+            )
+        return self.create_kv_cache_blocks(new_blocks)
+
+    def _validate_allocation(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        num_encoder_tokens: int,
+        reserved_blocks: int,
+    ) -> tuple[Sequence[KVCacheBlock], ...]:
+        """Check every argument against the current state; return the hit lists per group."""
+        if not isinstance(request, Request):
+            raise InvalidTypeError(f"request must be a pagedkv Request, got {type(request).__name__}")
+        _check_count("num_new_tokens", num_new_tokens)
+        _check_count("num_new_computed_tokens", num_new_computed_tokens)
+        _check_count("num_lookahead_tokens", num_lookahead_tokens)
+        _check_count("num_external_computed_tokens", num_external_computed_tokens)
+        _check_count("num_encoder_tokens", num_encoder_tokens)
+        _check_count("reserved_blocks", reserved_blocks)
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
+            raise InvalidArgumentError(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
+            )
+        request_id = request.request_id
+        if request.status > RequestStatus.PREEMPTED:
+            raise RequestStateError(
+                f"request {request_id!r} is {request.status.name}; it cannot get blocks"
+            )
+        live = self._requests.get(request_id)
+        if live is not None and live is not request:
+            raise RequestStateError(
+                f"request id {request_id!r} is reused by a different request while the first "
+                "still holds blocks; free it first"
+            )
+        total_tokens = (
+            request.num_computed_tokens
+            + num_new_computed_tokens
+            + num_external_computed_tokens
+            + num_new_tokens
+        )
+        if total_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: {total_tokens} tokens (computed "
+                f"{request.num_computed_tokens} + new computed {num_new_computed_tokens} + "
+                f"external {num_external_computed_tokens} + new {num_new_tokens}) exceed "
+                f"max_model_len {self.max_model_len}"
+            )
+        if self.enable_caching and live is None:
+            hasher = request.block_hasher
+            if hasher is None:
+                raise RequestStateError(
+                    f"request {request_id!r} has no block hasher, but prefix caching is on; "
+                    "build it with block_hasher=make_request_block_hasher(...)"
+                )
+            if hasher.hash_block_size != self.hash_block_size:
+                raise ConfigError(
+                    f"request {request_id!r} is hashed in blocks of {hasher.hash_block_size} "
+                    f"tokens; this manager needs {self.hash_block_size}"
+                )
+        if new_computed_blocks is None or new_computed_blocks is self.empty_kv_cache_blocks:
+            if num_new_computed_tokens:
+                raise InvalidArgumentError(
+                    f"num_new_computed_tokens={num_new_computed_tokens} without hit blocks"
+                )
+            return self._empty_hits
+        return self._validate_hits(request, num_new_computed_tokens, new_computed_blocks)
+
+    def _validate_hits(
+        self, request: Request, num_new_computed_tokens: int, new_computed_blocks: KVCacheBlocks
+    ) -> tuple[Sequence[KVCacheBlock], ...]:
+        request_id = request.request_id
+        hits = new_computed_blocks.blocks
+        if len(hits) != self.num_kv_cache_groups:
+            raise GroupIndexError(
+                f"new_computed_blocks has {len(hits)} groups; the manager has "
+                f"{self.num_kv_cache_groups}"
+            )
+        if all(not group for group in hits):
+            if num_new_computed_tokens:
+                raise InvalidArgumentError(
+                    f"num_new_computed_tokens={num_new_computed_tokens} without hit blocks"
+                )
+            return self._empty_hits
+        if request_id in self._requests or request.num_computed_tokens:
+            raise RequestStateError(
+                f"request {request_id!r} already has computed tokens; prefix-hit blocks can "
+                "only be adopted by a request that starts (or restarts after preemption)"
+            )
+        pool_blocks = self.block_pool.blocks
+        null_block = self.block_pool.null_block
+        for group_id, (manager, blocks) in enumerate(
+            zip(self.coordinator.single_type_managers, hits, strict=True)
+        ):
+            if len(blocks) * manager.block_size < num_new_computed_tokens:
+                raise InvalidArgumentError(
+                    f"num_new_computed_tokens={num_new_computed_tokens} but group {group_id} "
+                    f"has {len(blocks)} hit blocks of {manager.block_size} tokens"
+                )
+            hashes = manager.resolve_hashes(request.block_hashes)
+            for index, block in enumerate(blocks):
+                if block is null_block:
+                    continue
+                block_id = block.block_id
+                if not (0 <= block_id < len(pool_blocks)) or pool_blocks[block_id] is not block:
+                    raise ForeignBlockError(
+                        f"hit block {block_id} of request {request_id!r} does not belong to "
+                        "this manager's pool"
+                    )
+                if (
+                    block.block_hash is None
+                    or index >= len(hashes)
+                    or block.block_hash != hashes[index]
+                    or block.hash_group_id != group_id
+                ):
+                    raise ForeignBlockError(
+                        f"hit block {block_id} (position {index}, group {group_id}) is not "
+                        f"cached under request {request_id!r}'s hash: a stale or foreign "
+                        "get_computed_blocks result"
+                    )
+        return hits
+
+    # ------------------------------------------------------------------ freeing
+
+    def free(self, request: Request) -> None:
+        """Release all of the request's blocks (unknown requests: a no-op)."""
+        request_id = request.request_id
+        if self._requests.get(request_id) is request:
+            del self._requests[request_id]
+        elif request_id in self._requests:
+            return  # another live request owns this id; nothing of ours to free
+        self.coordinator.free(request_id)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """Forget the request's blocks without freeing them; free later with
+        `block_pool.free_blocks(reversed(blocks))`."""
+        if self._requests.get(request.request_id) is request:
+            del self._requests[request.request_id]
+        return self.coordinator.pop_blocks_for_free(request.request_id)
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
+        _check_count("processed_computed_tokens", processed_computed_tokens)
+        self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache the request's full blocks up to `num_computed_tokens` (async scheduling)."""
+        if not self.enable_caching:
+            return
+        _check_count("num_computed_tokens", num_computed_tokens)
+        if num_computed_tokens > request.num_tokens:
+            raise InvalidArgumentError(
+                f"cannot cache {num_computed_tokens} tokens of request {request.request_id!r}: "
+                f"it has {request.num_tokens}"
+            )
+        if self._requests.get(request.request_id) is not request:
+            raise RequestStateError(f"request {request.request_id!r} holds no blocks here")
+        self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop the prefix-cache entries of these blocks (for example after a failed KV load)."""
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (and nothing changes) while blocks are held."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def new_step_starts(self) -> None:
+        self.coordinator.new_step_starts()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the pool's events, annotating `BlockStored` with its group's spec kind."""
+        events = self.block_pool.take_events()
+        metadata = self.kv_cache_event_metadata
+        for event in events:
+            if type(event) is BlockStored and event.group_idx is not None:
+                if 0 <= event.group_idx < len(metadata):
+                    event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = metadata[
+                        event.group_idx
+                    ]
+                else:
+                    logger.warning("KV event group %d is not in KV cache metadata", event.group_idx)
+        return events
+
+    def check_invariants(self) -> None:
+        """Check the pool, every manager and the facade's request registry."""
+        self.coordinator.check_invariants()
+        for manager in self.coordinator.single_type_managers:
+            for request_id in manager.req_to_blocks:
+                if request_id not in self._requests:
+                    raise InvariantViolation(f"request {request_id!r} holds blocks but is unknown")
+        usage = self.usage
+        if not 0.0 <= usage <= 1.0:
+            raise InvariantViolation(f"usage {usage} outside [0, 1]")
+
+
+def _gcd(values: Sequence[int]) -> int:
+    from math import gcd
+
+    result = 0
+    for value in values:
+        result = gcd(result, value)
+    return result
+
+
+def _lcm(values: Sequence[int]) -> int:
+    from math import lcm
+
+    return lcm(*values)

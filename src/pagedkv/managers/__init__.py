@@ -1,0 +1,40 @@
+"""Per-attention-type managers and the spec → manager dispatch table.
+
+Other attention types register here; the coordinator asks `manager_class_for(spec)` once per
+group at construction.
+"""
+
+from __future__ import annotations
+
+from pagedkv.errors import ConfigError
+from pagedkv.managers.base import SingleTypeKVCacheManager
+from pagedkv.managers.full_attention import FullAttentionManager
+from pagedkv.specs import FullAttentionSpec, KVCacheSpec
+
+_SPEC_TO_MANAGER: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,  # MLAAttentionSpec inherits this entry
+}
+
+
+def register_manager(
+    spec_class: type[KVCacheSpec], manager_class: type[SingleTypeKVCacheManager]
+) -> None:
+    """Map a spec class (and its subclasses) to the manager class that serves it."""
+    _SPEC_TO_MANAGER[spec_class] = manager_class
+
+
+def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    """The manager class for a spec, found along the spec's MRO."""
+    for klass in type(spec).__mro__:
+        manager = _SPEC_TO_MANAGER.get(klass)
+        if manager is not None:
+            return manager
+    raise ConfigError(f"no KV-cache manager is registered for {type(spec).__name__}")
+
+
+__all__ = [
+    "FullAttentionManager",
+    "SingleTypeKVCacheManager",
+    "manager_class_for",
+    "register_manager",
+]

@@ -1,0 +1,230 @@
+"""Per-attention-type manager base: one per KV-cache group, it owns the group's block tables.
+
+A manager knows how many blocks a request needs, which are skippable (outside a window), which
+may be cached and how to find a prefix hit. It draws blocks from the shared `BlockPool`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from pagedkv.block import BlockHash, KVCacheBlock
+from pagedkv.block_pool import BlockPool
+from pagedkv.errors import InvariantViolation
+from pagedkv.hashing import resolve_block_hashes
+from pagedkv.specs import KVCacheSpec, cdiv
+
+if TYPE_CHECKING:
+    from pagedkv.request import Request
+
+EMPTY_BLOCK_LIST: list[KVCacheBlock] = []  # shared; never mutated
+
+
+class SingleTypeKVCacheManager:
+    """Block tables of one KV-cache group.
+
+    Invariants: `req_to_blocks[r]` is request r's block table in position order (null blocks
+    stand for skipped positions); `num_cached_block[r]` counts r's leading blocks already in
+    the prefix cache (null padding included) and is present once r has been allocated.
+    """
+
+    # Whether a request's hit in this group may be shorter than the full prefix.
+    supports_prefix_caching: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        enable_caching: bool = True,
+        max_admission_blocks_per_request: int | None = None,
+        alignment_tokens: int | None = None,
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.block_pool = block_pool
+        self.kv_cache_group_id = kv_cache_group_id
+        self.enable_caching = enable_caching
+        self.max_admission_blocks_per_request = max_admission_blocks_per_request
+        self.alignment_tokens = alignment_tokens or kv_cache_spec.block_size
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        self._null_block = block_pool.null_block
+
+    # ------------------------------------------------------------------ counting
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens whose KV is no longer needed once `num_computed_tokens` are done."""
+        return 0
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Blocks to take from the free pool to hold `num_tokens`, counting evictable hits."""
+        required = cdiv(num_tokens, self.block_size)
+        cap = self.max_admission_blocks_per_request
+        if apply_admission_cap and cap is not None and required > cap:
+            required = cap
+        req_blocks = self.req_to_blocks.get(request_id, EMPTY_BLOCK_LIST)
+        if request_id in self.num_cached_block:
+            # A running request: hits were adopted when it was admitted.
+            return max(required - len(req_blocks), 0)
+        skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_new = max(required - max(skipped_blocks, len(new_computed_blocks) + len(req_blocks)), 0)
+        # Hit blocks nobody holds sit in the free queue: touching them takes them out of it.
+        first_kept = max(skipped_blocks - len(req_blocks), 0)
+        null_block = self._null_block
+        num_evictable = 0
+        for block in new_computed_blocks[first_kept:]:
+            if block.ref_cnt == 0 and block is not null_block:
+                num_evictable += 1
+        return num_new + num_evictable
+
+    # ------------------------------------------------------------------ allocation
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+    ) -> None:
+        """Adopt prefix-hit blocks: touch them and put them (null-padded) in the table."""
+        if request_id in self.num_cached_block:
+            return
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_null = min(max(skipped_blocks - len(req_blocks), 0), len(new_computed_blocks))
+        kept = new_computed_blocks[num_null:]
+        self.block_pool.touch(kept)
+        if num_null:
+            req_blocks.extend([self._null_block] * num_null)
+        req_blocks.extend(kept)
+        self.num_cached_block[request_id] = len(req_blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Append fresh blocks so the table covers `num_tokens`; return only the new ones."""
+        req_blocks = self.req_to_blocks.get(request_id)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request_id] = []
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return EMPTY_BLOCK_LIST
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Enter the request's full blocks up to `num_tokens` into the prefix cache."""
+        request_id = request.request_id
+        num_cached = self.num_cached_block.get(request_id, 0)
+        num_full = num_tokens // self.block_size
+        if num_full <= num_cached:
+            return
+        self.block_pool.cache_full_blocks(
+            request,
+            self.req_to_blocks[request_id],
+            self.resolve_hashes(request.block_hashes),
+            num_cached,
+            num_full,
+            self.block_size,
+            self.kv_cache_group_id,
+        )
+        self.num_cached_block[request_id] = num_full
+
+    def resolve_hashes(self, block_hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
+        """The request's hashes at this group's block size."""
+        return resolve_block_hashes(block_hashes, self.block_pool.hash_block_size, self.block_size)
+
+    # ------------------------------------------------------------------ freeing
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, last block first (so a prefix's tail is evicted first)."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request's table and return its blocks (in order) for a deferred free."""
+        self.num_cached_block.pop(request_id, None)
+        return self.req_to_blocks.pop(request_id, [])
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Replace blocks no longer needed by the null block and free them (longest prefix first)."""
+        num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        num_skipped_blocks = min(num_skipped_tokens // self.block_size, len(blocks))
+        null_block = self._null_block
+        removed = []
+        # Walk back from the last skipped block; everything before a null is already null.
+        for index in range(num_skipped_blocks - 1, -1, -1):
+            block = blocks[index]
+            if block is null_block:
+                break
+            removed.append(block)
+            blocks[index] = null_block
+        if removed:
+            self.block_pool.free_blocks(removed)
+
+    # ------------------------------------------------------------------ hits
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        alignment_tokens: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """Longest cached prefix of at most `max_length` tokens valid in every listed group.
+
+        Returns the hit blocks per group and the hit length in tokens (a multiple of
+        `alignment_tokens`).
+        """
+        raise NotImplementedError
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """Leading blocks of the request shared by every request holding blocks (cascade)."""
+        return 0
+
+    def new_step_starts(self) -> None:
+        """Called at the start of each scheduler step."""
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Per-group checks; ref counts across groups are checked by the coordinator."""
+        for request_id, blocks in self.req_to_blocks.items():
+            num_cached = self.num_cached_block.get(request_id, 0)
+            if num_cached > len(blocks):
+                raise InvariantViolation(
+                    f"group {self.kv_cache_group_id}: request {request_id!r} has "
+                    f"num_cached_block {num_cached} > {len(blocks)} blocks"
+                )
+            for index, block in enumerate(blocks):
+                if block is self._null_block:
+                    continue
+                if self.block_pool.blocks[block.block_id] is not block:
+                    raise InvariantViolation(f"request {request_id!r} holds a foreign block")
+                if block.ref_cnt <= 0:
+                    raise InvariantViolation(
+                        f"request {request_id!r} holds block {block.block_id} with ref_cnt "
+                        f"{block.ref_cnt}"
+                    )
+                if self.enable_caching and index < num_cached and block.block_hash is None:
+                    raise InvariantViolation(
+                        f"request {request_id!r}: block {block.block_id} at {index} < "
+                        f"num_cached_block {num_cached} is not cached"
+                    )

@@ -1,0 +1,66 @@
+"""Full-attention manager: every block stays until the request ends; hits are left-to-right."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedkv.block import BlockHash, KVCacheBlock
+from pagedkv.block_pool import BlockPool
+from pagedkv.hashing import resolve_block_hashes
+from pagedkv.managers.base import SingleTypeKVCacheManager
+from pagedkv.specs import KVCacheSpec, cdiv
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Full (and MLA) attention. Hits are downward closed: any prefix of a hit is a hit."""
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        alignment_tokens: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        block_size = kv_cache_spec.block_size
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
+        max_num_blocks = min(max_length // block_size, len(hashes))
+        if len(kv_cache_group_ids) == 1:
+            # Hot path: one dict probe per block, no per-block list of groups.
+            hits: list[KVCacheBlock] = []
+            get = block_pool.hash_to_block[kv_cache_group_ids[0]].get
+            for index in range(max_num_blocks):
+                block = get(hashes[index])
+                if block is None:
+                    break  # chained hashes: every later block misses too
+                hits.append(block)
+            computed: tuple[list[KVCacheBlock], ...] = (hits,)
+        else:
+            computed = tuple([] for _ in kv_cache_group_ids)
+            for index in range(max_num_blocks):
+                cached = block_pool.get_cached_block(hashes[index], kv_cache_group_ids)
+                if cached is None:
+                    break
+                for group_hits, block in zip(computed, cached, strict=True):
+                    group_hits.append(block)
+        hit_length = len(computed[0]) * block_size
+        if alignment_tokens > block_size and hit_length % alignment_tokens:
+            hit_length = hit_length // alignment_tokens * alignment_tokens
+            num_kept = cdiv(hit_length, block_size)
+            for group_hits in computed:
+                del group_hits[num_kept:]
+        return computed, hit_length
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        blocks = self.req_to_blocks.get(running_request_id)
+        if not blocks:
+            return 0
+        num_holders = len(self.req_to_blocks)
+        count = 0
+        for block in blocks:
+            if block.ref_cnt != num_holders:
+                break
+            count += 1
+        return count

@@ -1,0 +1,296 @@
+"""Leaf: KV-cache specs (what one layer stores per block), groups and the cache config.
+
+Specs are small frozen dataclasses with `dtype_bytes: int` (no torch). Each spec knows its page
+size and its worst-case memory per request; the manager class for a spec is chosen in
+`pagedkv.managers`, never here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import ClassVar
+
+from pagedkv.errors import ConfigError
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    """Ceiling division for non-negative ints."""
+    return -(numerator // -denominator)
+
+
+def _check_positive(spec: object, **values: int | None) -> None:
+    for name, value in values.items():
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{type(spec).__name__}: {name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Base spec: one block holds `block_size` tokens of one layer's KV (or one state)."""
+
+    block_size: int
+
+    kind: ClassVar[str] = "abstract"
+    # Whether blocks of this spec may enter the prefix cache.
+    prefix_cacheable: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        _check_positive(self, block_size=self.block_size)
+
+    @property
+    def page_size_bytes(self) -> int:
+        raise NotImplementedError
+
+    def max_memory_usage_bytes(
+        self,
+        max_model_len: int,
+        max_in_flight_tokens: int | None = None,
+        max_num_encoder_input_tokens: int = 0,
+    ) -> int:
+        """Worst-case bytes one request of `max_model_len` tokens needs in this layer."""
+        raise NotImplementedError
+
+    def max_admission_blocks(self, max_model_len: int, max_in_flight_tokens: int) -> int | None:
+        """Blocks a request can hold at once if it recycles blocks (None: no cap)."""
+        return None
+
+
+@dataclass(frozen=True)
+class AttentionSpec(KVCacheSpec):
+    """Attention KV: `2 × block_size × num_kv_heads × head_size × dtype_bytes` bytes a page."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype_bytes: int
+    head_size_v: int | None = field(default=None, kw_only=True)
+    page_size_padded: int | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        _check_positive(
+            self,
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype_bytes=self.dtype_bytes,
+            page_size_padded=self.page_size_padded,
+        )
+        if self.head_size_v is not None and self.head_size_v < 0:
+            raise ConfigError(f"{type(self).__name__}: head_size_v={self.head_size_v} < 0")
+        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+            raise ConfigError(
+                f"{type(self).__name__}: page_size_padded={self.page_size_padded} is smaller "
+                f"than the real page size {self.real_page_size_bytes}"
+            )
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        head_size_v = self.head_size if self.head_size_v is None else self.head_size_v
+        return self.block_size * self.num_kv_heads * (self.head_size + head_size_v) * self.dtype_bytes
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.real_page_size_bytes
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    """Full (global) causal attention: every token's KV is kept until the request ends.
+
+    `sliding_window` / `attention_chunk_size` may be set when a local-attention layer is
+    deliberately managed as full attention (the hybrid manager disabled): compute still uses
+    the window, allocation does not.
+    """
+
+    sliding_window: int | None = field(default=None, kw_only=True)
+    attention_chunk_size: int | None = field(default=None, kw_only=True)
+    kind: ClassVar[str] = "full_attention"
+
+    def max_memory_usage_bytes(
+        self,
+        max_model_len: int,
+        max_in_flight_tokens: int | None = None,
+        max_num_encoder_input_tokens: int = 0,
+    ) -> int:
+        return cdiv(max_model_len, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): one latent vector a token, no separate V."""
+
+    kind: ClassVar[str] = "mla_attention"
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Sliding-window attention: a token attends to the previous `sliding_window` tokens."""
+
+    sliding_window: int
+    kind: ClassVar[str] = "sliding_window"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, sliding_window=self.sliding_window)
+
+    def max_admission_blocks(self, max_model_len: int, max_in_flight_tokens: int) -> int | None:
+        # +1: the window may straddle a block boundary.
+        needed_tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+        return cdiv(needed_tokens, self.block_size) + 1
+
+    def max_memory_usage_bytes(
+        self,
+        max_model_len: int,
+        max_in_flight_tokens: int | None = None,
+        max_num_encoder_input_tokens: int = 0,
+    ) -> int:
+        in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
+        return self.max_admission_blocks(max_model_len, in_flight) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """Chunked local attention (Llama 4): a token attends within its `attention_chunk_size` chunk."""
+
+    attention_chunk_size: int
+    kind: ClassVar[str] = "chunked_local_attention"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, attention_chunk_size=self.attention_chunk_size)
+
+    def max_admission_blocks(self, max_model_len: int, max_in_flight_tokens: int) -> int | None:
+        needed_tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
+        return cdiv(needed_tokens, self.block_size)
+
+    def max_memory_usage_bytes(
+        self,
+        max_model_len: int,
+        max_in_flight_tokens: int | None = None,
+        max_num_encoder_input_tokens: int = 0,
+    ) -> int:
+        in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
+        return self.max_admission_blocks(max_model_len, in_flight) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class CrossAttentionSpec(AttentionSpec):
+    """Encoder-decoder cross-attention: sized by the encoder input, never prefix-cached."""
+
+    kind: ClassVar[str] = "cross_attention"
+    prefix_cacheable: ClassVar[bool] = False
+
+    def max_memory_usage_bytes(
+        self,
+        max_model_len: int,
+        max_in_flight_tokens: int | None = None,
+        max_num_encoder_input_tokens: int = 0,
+    ) -> int:
+        return cdiv(max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """Mamba / SSM state: one fixed-size state a request, independent of its length.
+
+    `shapes` lists the state tensors (conv state, SSM state); `dtype_bytes` is one size for all,
+    or one per shape.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtype_bytes: int | tuple[int, ...]
+    page_size_padded: int | None = field(default=None, kw_only=True)
+    kind: ClassVar[str] = "mamba"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.shapes or any(
+            not shape or any(not isinstance(d, int) or d <= 0 for d in shape) for shape in self.shapes
+        ):
+            raise ConfigError(f"MambaSpec: shapes must be non-empty positive dims, got {self.shapes!r}")
+        sizes = self.dtype_bytes if isinstance(self.dtype_bytes, tuple) else (self.dtype_bytes,)
+        if isinstance(self.dtype_bytes, tuple) and len(sizes) != len(self.shapes):
+            raise ConfigError(
+                f"MambaSpec: {len(sizes)} dtype sizes for {len(self.shapes)} state shapes"
+            )
+        _check_positive(self, **{f"dtype_bytes[{i}]": s for i, s in enumerate(sizes)})
+        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+            raise ConfigError(
+                f"MambaSpec: page_size_padded={self.page_size_padded} < real page size "
+                f"{self.real_page_size_bytes}"
+            )
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        sizes = (
+            self.dtype_bytes
+            if isinstance(self.dtype_bytes, tuple)
+            else (self.dtype_bytes,) * len(self.shapes)
+        )
+        return sum(prod(shape) * size for shape, size in zip(self.shapes, sizes, strict=True))
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.real_page_size_bytes
+
+    def max_memory_usage_bytes(
+        self,
+        max_model_len: int,
+        max_in_flight_tokens: int | None = None,
+        max_num_encoder_input_tokens: int = 0,
+    ) -> int:
+        return self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers that share one block table (same spec); the group's position is its id."""
+
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer_names, str):
+            raise ConfigError(f"layer_names must be a sequence of names, got {self.layer_names!r}")
+        object.__setattr__(self, "layer_names", tuple(self.layer_names))
+        if not isinstance(self.kv_cache_spec, KVCacheSpec):
+            raise ConfigError(f"kv_cache_spec must be a KVCacheSpec, got {self.kv_cache_spec!r}")
+
+
+@dataclass(frozen=True)
+class KVCacheTensor:
+    """One backing buffer of `size_bytes`, shared by the named layers (one per group)."""
+
+    size_bytes: int
+    shared_by: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """How many blocks the pool has and which groups draw from it."""
+
+    num_blocks: int
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+    kv_cache_tensors: tuple[KVCacheTensor, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_groups", tuple(self.kv_cache_groups))
+        object.__setattr__(self, "kv_cache_tensors", tuple(self.kv_cache_tensors))
+        if not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool):
+            raise ConfigError(f"num_blocks must be an int, got {self.num_blocks!r}")
+        minimum = 2 if self.kv_cache_groups else 1
+        if self.num_blocks < minimum:
+            raise ConfigError(
+                f"num_blocks={self.num_blocks}: need at least {minimum} (block 0 is the null "
+                "block, so a usable pool has two or more)"
+            )
