@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Run pagedkv and vLLM's KVCacheManager side by side on the issue-7 workloads; print ratios.
+
+Each repetition runs, for every workload, vLLM's driver (benchmarks/peer/vllm/vllm_kv_driver.py
+under the peer venv's python) and pagedkv's driver (this interpreter, or --pagedkv-python) as
+child processes of this runner, alternating which goes first. Both replay the identical
+operation sequence; the runner asserts that their workload statistics (steps, hits,
+preemptions, admission failures, peak usage, calls per method) are identical, which is what
+proves it. Medians over --reps repetitions go into the table and into a JSON file under
+benchmarks/results/.
+
+  python benchmarks/peer/run_compare.py --vllm-python /work/.peer-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+PAGEDKV_DRIVER = HERE / "pagedkv_driver.py"
+VLLM_DRIVER = HERE / "vllm" / "vllm_kv_driver.py"
+DEFAULT_VLLM_PYTHON = os.environ.get("PEER_PYTHON", "/work/.peer-venv/bin/python")
+
+COMMON = ["--requests", "1024", "--batch", "256", "--prompt-len", "1000", "--decode-steps", "200",
+          "--num-blocks", "20000", "--seed", "0"]
+WORKLOADS: dict[str, list[str]] = {
+    "decode": ["--workload", "decode", *COMMON],
+    "shared1": ["--workload", "shared-prefix", "--prefix-len", "4000", "--num-prefixes", "1",
+                *COMMON],
+    "shared8": ["--workload", "shared-prefix", "--prefix-len", "4000", "--num-prefixes", "8",
+                *COMMON],
+    # 1,024 running requests: the issue's second batched-decode figure.
+    "decode1024": ["--workload", "decode", "--requests", "2048", "--batch", "1024",
+                   "--prompt-len", "1000", "--decode-steps", "200", "--num-blocks", "80000",
+                   "--seed", "0"],
+}
+QUICK_SCALE = {"--requests": 96, "--batch": 32, "--decode-steps": 40}  # --quick: a smoke run
+# Every re-admission after a preemption samples one token that is not a decode step, so a
+# preempted request ends longer than the drivers' default max_model_len (vLLM then silently
+# caps its slots; pagedkv raises). Both drivers get this much headroom instead.
+MAX_MODEL_LEN_HEADROOM = 256
+
+# Deterministic outcomes of the replay: equal in both drivers iff the call sequences match.
+WORKLOAD_STATS = (
+    "steps", "finished_requests", "decode_tokens", "prompt_tokens_first_admission",
+    "hit_tokens_first_admission", "prefix_hit_rate", "lookup_tokens_all", "hit_tokens_all",
+    "preemptions", "admission_failures", "peak_used_blocks", "max_model_len", "free_check_ok",
+)
+METHODS = ("get_computed_blocks", "allocate_slots_prefill", "allocate_slots_decode", "free",
+           "new_step_starts", "allocate_slots")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reps", type=int, default=3, help="repetitions per driver and workload")
+    p.add_argument("--workloads", default="decode,shared1,shared8,decode1024",
+                   help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
+                   help="python of the peer venv (setup_venv.sh); env PEER_PYTHON")
+    p.add_argument("--pagedkv-python", default=sys.executable)
+    p.add_argument("--no-batched", action="store_true",
+                   help="skip the pagedkv --batched-decode runs even if the API exists")
+    p.add_argument("--quick", action="store_true", help="smaller workloads (smoke test)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
+    return p.parse_args(argv)
+
+
+def workload_args(name: str, quick: bool) -> list[str]:
+    argv = list(WORKLOADS[name])
+    if quick:
+        for flag, value in QUICK_SCALE.items():
+            argv[argv.index(flag) + 1] = str(value)
+    values = dict(zip(argv[::2], argv[1::2], strict=True))
+    prompt_total = int(values["--prompt-len"])
+    if values["--workload"] == "shared-prefix":
+        prompt_total += int(values["--prefix-len"])
+    max_model_len = prompt_total + int(values["--decode-steps"]) + 1 + MAX_MODEL_LEN_HEADROOM
+    return [*argv, "--max-model-len", str(max_model_len)]
+
+
+def run_driver(python: str, driver: Path, argv: list[str], env: dict[str, str]) -> dict:
+    cmd = [python, str(driver), *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def pagedkv_env() -> dict[str, str]:
+    """This checkout's sources first, so the runner measures the tree it sits in."""
+    env = dict(os.environ)
+    src = str(REPO / "src")
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def has_batched_decode(python: str, env: dict[str, str]) -> bool:
+    code = "import pagedkv; print(hasattr(pagedkv.KVCacheManager, 'allocate_decode_slots'))"
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return out.stdout.strip() == "True"
+
+
+def assert_same_workload(name: str, a: dict, b: dict, label: str) -> None:
+    diffs = {k: (a[k], b[k]) for k in WORKLOAD_STATS if a[k] != b[k]}
+    for method in ("get_computed_blocks", "allocate_slots_prefill", "allocate_slots_decode",
+                   "free", "new_step_starts"):
+        ca, cb = a["per_method"][method]["calls"], b["per_method"][method]["calls"]
+        if ca != cb:
+            diffs[f"{method}.calls"] = (ca, cb)
+    if diffs:
+        raise SystemExit(f"{name}: {label} replayed a different workload: {diffs}")
+    if not a["free_check_ok"]:
+        raise SystemExit(f"{name}: final free check failed")
+
+
+def median_of(runs: list[dict], path: tuple[str, ...]) -> float | None:
+    values = []
+    for run in runs:
+        value = run
+        for key in path:
+            value = value[key]
+        if value is not None:
+            values.append(value)
+    return statistics.median(values) if values else None
+
+
+def summarize(runs: dict[str, list[dict]], batch: int) -> dict:
+    """Medians per implementation, and pagedkv/vLLM ratios."""
+    out: dict = {}
+    for impl, impl_runs in runs.items():
+        med = {m: median_of(impl_runs, ("per_method", m, "us_per_call")) for m in METHODS}
+        med["prefill_pair"] = _add(med["get_computed_blocks"], med["allocate_slots_prefill"])
+        med["manager_seconds"] = median_of(impl_runs, ("manager_seconds",))
+        med["hash_seconds"] = median_of(impl_runs, ("hash_seconds",))
+        med["manager_plus_hash_seconds"] = statistics.median(
+            r["manager_seconds"] + r["hash_seconds"] for r in impl_runs
+        )
+        if "decode_step" in impl_runs[0]:
+            # The mean (not the median) over full-batch steps, comparable with vLLM's figure.
+            med["decode_step_us"] = median_of(impl_runs, ("decode_step", "us_per_step_mean"))
+        else:  # the vLLM driver does not time steps: mean per-call time × running requests
+            med["decode_step_us"] = (
+                med["allocate_slots_decode"] * batch if med["allocate_slots_decode"] else None
+            )
+        out[impl] = med
+    out["ratio_pagedkv_over_vllm"] = {
+        key: _ratio(out["pagedkv"][key], out["vllm"][key]) for key in out["vllm"]
+    }
+    if "pagedkv_batched" in out:
+        out["ratio_batched_over_vllm"] = {
+            key: _ratio(out["pagedkv_batched"][key], out["vllm"][key]) for key in out["vllm"]
+        }
+    return out
+
+
+def _add(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def print_table(name: str, argv: list[str], summary: dict, stats: dict) -> None:
+    impls = [i for i in ("vllm", "pagedkv", "pagedkv_batched") if i in summary]
+    print(f"\n== {name}: {' '.join(argv)}")
+    print(f"   steps {stats['steps']}, hit rate {stats['prefix_hit_rate']}, "
+          f"preemptions {stats['preemptions']}, admission failures {stats['admission_failures']}")
+    header = f"{'metric':32}" + "".join(f"{i:>17}" for i in impls) + f"{'pagedkv/vLLM':>14}"
+    if "pagedkv_batched" in impls:
+        header += f"{'batched/vLLM':>14}"
+    print(header)
+    rows = [(f"us/call {m}", m) for m in METHODS] + [
+        ("us get_computed+alloc_prefill", "prefill_pair"),
+        ("us decode phase per step", "decode_step_us"),
+        ("manager s (whole workload)", "manager_seconds"),
+        ("hash s (requests+appends)", "hash_seconds"),
+        ("manager+hash s", "manager_plus_hash_seconds"),
+    ]
+    for label, key in rows:
+        line = f"{label:32}"
+        for impl in impls:
+            value = summary[impl].get(key)
+            line += f"{value:>17.3f}" if value is not None else f"{'-':>17}"
+        ratio = summary["ratio_pagedkv_over_vllm"].get(key)
+        line += f"{ratio:>14.3f}" if ratio is not None else f"{'-':>14}"
+        if "pagedkv_batched" in impls:
+            ratio = summary["ratio_batched_over_vllm"].get(key)
+            line += f"{ratio:>14.3f}" if ratio is not None else f"{'-':>14}"
+        print(line)
+    print("   (vLLM's decode phase per step is derived: us/call decode x running requests)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    for name in names:
+        if name not in WORKLOADS:
+            raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    env = pagedkv_env()
+    batched = not args.no_batched and has_batched_decode(args.pagedkv_python, env)
+    started = time.strftime("%Y%m%d-%H%M%S")
+    record: dict = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "started": started,
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "loadavg_start": os.getloadavg(),
+        },
+        "reps": args.reps,
+        "batched_decode": batched,
+        "workloads": {},
+    }
+    for name in names:
+        argv_w = workload_args(name, args.quick)
+        runs: dict[str, list[dict]] = {"vllm": [], "pagedkv": []}
+        if batched:
+            runs["pagedkv_batched"] = []
+        for rep in range(args.reps):
+            order = list(runs) if rep % 2 == 0 else list(reversed(runs))
+            for impl in order:
+                print(f"[{name} rep {rep + 1}/{args.reps}] {impl}", file=sys.stderr, flush=True)
+                if impl == "vllm":
+                    result = run_driver(args.vllm_python, VLLM_DRIVER, argv_w, dict(os.environ))
+                else:
+                    extra = ["--batched-decode"] if impl == "pagedkv_batched" else []
+                    result = run_driver(args.pagedkv_python, PAGEDKV_DRIVER, argv_w + extra, env)
+                runs[impl].append(result)
+            for impl in runs:
+                if impl != "vllm":
+                    assert_same_workload(name, runs["vllm"][-1], runs[impl][-1], impl)
+        batch = int(argv_w[argv_w.index("--batch") + 1])
+        summary = summarize(runs, batch)
+        stats = {k: runs["vllm"][0][k] for k in WORKLOAD_STATS}
+        print_table(name, argv_w, summary, stats)
+        record["workloads"][name] = {
+            "args": argv_w, "workload_stats": stats, "median": summary, "runs": runs,
+        }
+    record["machine"]["loadavg_end"] = os.getloadavg()
+    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"peer_compare_{started}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(f"\nloadavg start {record['machine']['loadavg_start']} end "
+          f"{record['machine']['loadavg_end']} ({os.cpu_count()} CPUs); JSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
