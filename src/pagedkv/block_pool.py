@@ -80,6 +80,9 @@ class BlockPool:
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
         self.metrics_collector = metrics_collector
+        # Bumped whenever a cache entry disappears: a lookup result taken at the current epoch
+        # is still entirely valid, so adopting it needs no per-block re-check.
+        self.eviction_epoch = 0
 
     # ------------------------------------------------------------------ lookups
 
@@ -194,29 +197,32 @@ class BlockPool:
                 f"{num_full_blocks} needed to cache its full blocks"
             )
         hash_map = self.hash_to_block[kv_cache_group_id]
+        setdefault = hash_map.setdefault
         null_block = self.null_block
+        emit = self.enable_kv_cache_events
         new_hashes: list[BlockHash] = []
         new_indices: list[int] = []
-        for index in range(num_cached_blocks, num_full_blocks):
-            block = blocks[index]
-            if block is null_block:
+        index = num_cached_blocks
+        # Hot path: zip over slices instead of indexing; one dict operation per block.
+        for block, block_hash in zip(
+            blocks[num_cached_blocks:num_full_blocks],
+            block_hashes[num_cached_blocks:num_full_blocks],
+        ):
+            if block is null_block or block.block_hash is not None:
+                # Null padding is never cached; a block is hashed at most once.
+                index += 1
                 continue
-            if block.block_hash is not None:
-                # Already cached (a hit adopted at a different position cannot happen; a block
-                # is hashed once). Keep the existing entry.
-                continue
-            block_hash = block_hashes[index]
             block.block_hash = block_hash
             block.hash_group_id = kv_cache_group_id
-            first = hash_map.setdefault(block_hash, block)
-            if first is not block:
+            if setdefault(block_hash, block) is not block:
                 self._duplicates[kv_cache_group_id].setdefault(block_hash, {})[
                     block.block_id
                 ] = block
-            if self.enable_kv_cache_events:
+            if emit:
                 new_hashes.append(block_hash)
                 new_indices.append(index)
-        if self.enable_kv_cache_events and new_hashes:
+            index += 1
+        if emit and new_hashes:
             self.kv_event_queue.append(
                 self._block_stored_event(
                     request, block_hashes, new_hashes, new_indices, num_cached_blocks,
@@ -275,7 +281,13 @@ class BlockPool:
             self.metrics_collector.on_block_evicted(block)
         hash_map = self.hash_to_block[group_id]
         duplicates = self._duplicates[group_id]
-        if hash_map.get(block_hash) is block:
+        if not duplicates:
+            # Hot path: no hash of this group has duplicates, so this block is the entry.
+            if hash_map.pop(block_hash, None) is not block:
+                raise InvariantViolation(
+                    f"block {block.block_id} has a hash but is not in the hash map"
+                )
+        elif hash_map.get(block_hash) is block:
             others = duplicates.get(block_hash)
             if others:
                 # Promote the earliest remaining duplicate so lookups keep "first cached wins".
@@ -295,6 +307,7 @@ class BlockPool:
                 del duplicates[block_hash]
         block.block_hash = None
         block.hash_group_id = 0
+        self.eviction_epoch += 1
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(
                 BlockRemoved(block_hashes=[block_hash], medium=self.medium, group_idx=group_id)
@@ -325,6 +338,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
             block.hash_group_id = 0
+        self.eviction_epoch += 1
         if self.metrics_collector is not None:
             self.metrics_collector.reset()
         if self.enable_kv_cache_events:

@@ -284,8 +284,12 @@ class RequestBlockHasher:
     def none_hash(self) -> BlockHash:
         return self.hasher.none_hash
 
-    def __call__(self, request: Request) -> list[BlockHash]:
-        """Return the hashes of the request's newly full blocks (does not append them)."""
+    def __call__(self, request: Request, packed_tokens: bytes | None = None) -> list[BlockHash]:
+        """Return the hashes of the request's newly full blocks (does not append them).
+
+        `packed_tokens`, if given, is `pack_token_ids(request.all_token_ids)` (the request
+        packs its prompt once to validate it; hashing reuses those bytes).
+        """
         block_size = self.hash_block_size
         start_block = len(request.block_hashes)
         end_block = request.num_tokens // block_size
@@ -295,7 +299,13 @@ class RequestBlockHasher:
         tokens = request.all_token_ids
         hasher = self.hasher
         if not request.has_extra_keys and hasher._digest_packed is not None:
-            packed = pack_token_ids(tokens[start_block * block_size : end_block * block_size])
+            start_token, end_token = start_block * block_size, end_block * block_size
+            if packed_tokens is None:
+                packed = pack_token_ids(tokens[start_token:end_token])
+            elif start_token == 0:
+                packed = packed_tokens
+            else:
+                packed = packed_tokens[start_token * 4 : end_token * 4]
             return hasher.hash_packed_blocks(parent, packed, end_block - start_block)
         hashes: list[BlockHash] = []
         cursor = request.mm_hash_cursor
