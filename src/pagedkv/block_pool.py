@@ -4,6 +4,7 @@ the null block and the event queue. Knows nothing of requests' lifecycles or att
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -18,6 +19,25 @@ if TYPE_CHECKING:
     from pagedkv.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+def _make_blocks(num_blocks: int) -> list[KVCacheBlock]:
+    """Build the blocks in an exactly sized list (no growth slack: ~8 bytes a block less).
+
+    The cyclic GC is paused meanwhile: a million new container objects would otherwise
+    trigger collections that scan them all repeatedly (building a 1M-block pool takes about
+    half the time without them). The blocks form no garbage, so nothing is lost.
+    """
+    blocks: list[KVCacheBlock] = [None] * num_blocks  # type: ignore[list-item]
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for block_id in range(num_blocks):
+            blocks[block_id] = KVCacheBlock(block_id)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return blocks
 
 
 class BlockResidencyObserver(Protocol):
@@ -66,7 +86,7 @@ class BlockPool:
         self.hash_block_size = hash_block_size
         self.num_kv_cache_groups = num_kv_cache_groups
         self.medium = medium
-        self.blocks: list[KVCacheBlock] = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
+        self.blocks: list[KVCacheBlock] = _make_blocks(num_blocks)
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         # Hot path: one dict per group keyed by the raw hash (no key concatenation). The first
         # block cached under a hash lives here; later duplicates wait in `_duplicates`.
