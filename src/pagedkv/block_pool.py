@@ -139,11 +139,34 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         collector = self.metrics_collector
         if self.enable_caching:
-            evict = self._maybe_evict_cached_block
-            for block in blocks:
-                if block.block_hash is not None:
-                    evict(block)
-                block.ref_cnt = 1
+            if collector is None and not self.enable_kv_cache_events:
+                # Hot path: lazy eviction inlined for the plain case (no events, no metrics,
+                # no duplicate hashes in the group); anything else takes the general method.
+                hash_maps = self.hash_to_block
+                duplicates = self._duplicates
+                num_evicted = 0
+                for block in blocks:
+                    block_hash = block.block_hash
+                    if block_hash is not None:
+                        group_id = block.hash_group_id
+                        if duplicates[group_id]:
+                            self._maybe_evict_cached_block(block)
+                        else:
+                            if hash_maps[group_id].pop(block_hash, None) is not block:
+                                raise InvariantViolation(
+                                    f"block {block.block_id} has a hash but no map entry"
+                                )
+                            block.block_hash = None
+                            block.hash_group_id = 0
+                            num_evicted += 1
+                    block.ref_cnt = 1
+                self.eviction_epoch += num_evicted
+            else:
+                evict = self._maybe_evict_cached_block
+                for block in blocks:
+                    if block.block_hash is not None:
+                        evict(block)
+                    block.ref_cnt = 1
         else:
             for block in blocks:
                 block.ref_cnt = 1
