@@ -70,7 +70,6 @@ class Request:
 
     __slots__ = (
         "request_id",
-        "prompt_token_ids",
         "all_token_ids",
         "num_prompt_tokens",
         "num_tokens",
@@ -119,7 +118,6 @@ class Request:
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
             raise InvalidArgumentError(f"request {request_id!r}: max_tokens={max_tokens!r}")
         self.request_id = request_id
-        self.prompt_token_ids = tuple(tokens)
         self.all_token_ids = tokens
         self.num_prompt_tokens = len(tokens)
         self.num_tokens = len(tokens)
@@ -152,6 +150,10 @@ class Request:
         self.block_hasher = block_hasher
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self, packed))
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
