@@ -85,7 +85,17 @@ def run(num_blocks: int, concurrency: int, prompt_len: int, decode_steps: int, r
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", help="write a PNG of both sweeps (needs matplotlib)")
+    parser.add_argument(
+        "--no-gc",
+        action="store_true",
+        help="disable the cyclic GC while measuring (engines often gc.freeze(); with 1,000 live "
+        "requests, GC passes otherwise dominate the growth)",
+    )
     args = parser.parse_args()
+    if args.no_gc:
+        import gc
+
+        gc.disable()
     pool_sweep = {
         n: run(n, concurrency=8, prompt_len=96, decode_steps=64, rounds=40)
         for n in (1_000, 10_000, 100_000, 1_000_000)
