@@ -24,9 +24,9 @@ manager call is wrapped in time.perf_counter() and summed per method; request co
 token appends are reported as hash_seconds. Prints one JSON line with the vLLM driver's keys
 (plus `decode_step`, the decode phase's time per step, and pagedkv-specific fields).
 
-`--batched-decode` replaces the per-request decode loop by one
-`KVCacheManager.allocate_decode_slots(running)` call per step when pagedkv has it (see
-`decode_batched` for the contract relied on); the workload statistics stay identical.
+`--batched-decode` replaces the per-request decode loop by
+`KVCacheManager.allocate_decode_slots(running, start)` (one call per step, plus one more after
+each preemption); the workload statistics stay identical.
 """
 
 from __future__ import annotations
@@ -295,23 +295,32 @@ class Replay:
         return scheduled, preempted
 
     def decode_batched(self) -> tuple[list[Request], bool]:
-        """One allocate_decode_slots(running) call; failures fall back to the sequential rule.
+        """The decode phase through `allocate_decode_slots(running, start)`, same outcome.
 
-        Relies on this contract of `allocate_decode_slots(requests)`: it allocates for the
-        requests in order and stops at the first one that does not fit, returning
-        the requests from that one on (so the ones before it are exactly those a sequential
-        `allocate_slots(req, 1)` loop would have served before its first failure).
+        The call serves requests in order and stops at the first that does not fit, returning
+        how many it served; like the sequential loop, the driver then preempts the most
+        recently admitted request and calls again from the one that failed (which counts as
+        one failed allocate_slots call, so call counts match the sequential replay).
         """
+        manager = self.manager
         running = self.running
-        t0 = perf_counter()
-        not_fitted = self.manager.allocate_decode_slots(running)
-        self.t_sum["allocate_slots_decode"] += perf_counter() - t0
-        num_fitted = len(running) - len(not_fitted)
-        self.n_call["allocate_slots_decode"] += num_fitted
-        if not not_fitted:
-            return list(running), False
-        scheduled, preempted = self.decode_sequential(num_fitted)
-        return running[:num_fitted] + scheduled, preempted
+        preempted = False
+        start = 0
+        while start < len(running):
+            t0 = perf_counter()
+            result = manager.allocate_decode_slots(running, start)
+            self.t_sum["allocate_slots_decode"] += perf_counter() - t0
+            start += result.num_allocated
+            self.n_call["allocate_slots_decode"] += result.num_allocated
+            if start == len(running):
+                break
+            self.n_call["allocate_slots_decode"] += 1  # the request that did not fit
+            failed = running[start]
+            victim = self.preempt_last()
+            preempted = True
+            if victim is failed:
+                break  # it was the last one
+        return running[:start], preempted
 
     def admit(self) -> list[Request]:
         """Admit waiting requests while there is room; returns the prefills scheduled."""
