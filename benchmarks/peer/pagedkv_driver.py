@@ -508,7 +508,9 @@ class Replay:
             "decode_tokens": self.total_decode_tokens,
             "prompt_tokens_first_admission": first_prompt,
             "hit_tokens_first_admission": self.first_hit_tokens,
-            "prefix_hit_rate": round(self.first_hit_tokens / first_prompt, 6) if first_prompt else 0.0,
+            "prefix_hit_rate": (
+                round(self.first_hit_tokens / first_prompt, 6) if first_prompt else 0.0
+            ),
             "lookup_tokens_all": lookups,
             "hit_tokens_all": self.hit_tokens,
             "prefix_hit_rate_all_lookups": round(self.hit_tokens / lookups, 6) if lookups else 0.0,

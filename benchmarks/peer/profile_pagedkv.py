@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind in KINDS:
         if not profiler.entry_calls[kind]:
             continue
-        profiler.profiles[kind].dump_stats(out_dir / f"profile_{args.workload}_{kind}_{stamp}.pstats")
+        pstats_path = out_dir / f"profile_{args.workload}_{kind}_{stamp}.pstats"
+        profiler.profiles[kind].dump_stats(pstats_path)
         print("\n".join(summarize(kind, profiler.profiles[kind], profiler.entry_calls[kind],
                                   args.top)))
         print()

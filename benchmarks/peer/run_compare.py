@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -88,11 +89,21 @@ def workload_args(name: str, quick: bool) -> list[str]:
 
 
 def run_driver(python: str, driver: Path, argv: list[str], env: dict[str, str]) -> dict:
+    """Run one driver; its JSON line, plus the child's wall and CPU seconds (contention)."""
     cmd = [python, str(driver), *argv]
+    usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    wall = time.perf_counter() - t0
+    usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
+    # CPU share below 1.0 means the child waited for a core: other load inflated its timers.
+    result["runner"] = {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+                        "cpu_share": round(cpu / wall, 3)}
+    return result
 
 
 def pagedkv_env() -> dict[str, str]:
@@ -122,7 +133,7 @@ def assert_same_workload(name: str, a: dict, b: dict, label: str) -> None:
         raise SystemExit(f"{name}: final free check failed")
 
 
-def median_of(runs: list[dict], path: tuple[str, ...]) -> float | None:
+def pick_of(runs: list[dict], path: tuple[str, ...], pick) -> float | None:
     values = []
     for run in runs:
         value = run
@@ -130,23 +141,28 @@ def median_of(runs: list[dict], path: tuple[str, ...]) -> float | None:
             value = value[key]
         if value is not None:
             values.append(value)
-    return statistics.median(values) if values else None
+    return pick(values) if values else None
 
 
-def summarize(runs: dict[str, list[dict]], batch: int) -> dict:
-    """Medians per implementation, and pagedkv/vLLM ratios."""
+def summarize(runs: dict[str, list[dict]], batch: int, pick=statistics.median) -> dict:
+    """Per implementation the `pick` (median, or min for best-of) of each metric; ratios."""
     out: dict = {}
     for impl, impl_runs in runs.items():
-        med = {m: median_of(impl_runs, ("per_method", m, "us_per_call")) for m in METHODS}
-        med["prefill_pair"] = _add(med["get_computed_blocks"], med["allocate_slots_prefill"])
-        med["manager_seconds"] = median_of(impl_runs, ("manager_seconds",))
-        med["hash_seconds"] = median_of(impl_runs, ("hash_seconds",))
-        med["manager_plus_hash_seconds"] = statistics.median(
+        med = {m: pick_of(impl_runs, ("per_method", m, "us_per_call"), pick) for m in METHODS}
+        med["prefill_pair"] = pick(
+            r["per_method"]["get_computed_blocks"]["us_per_call"]
+            + r["per_method"]["allocate_slots_prefill"]["us_per_call"]
+            for r in impl_runs
+        )
+        med["manager_seconds"] = pick_of(impl_runs, ("manager_seconds",), pick)
+        med["hash_seconds"] = pick_of(impl_runs, ("hash_seconds",), pick)
+        med["manager_plus_hash_seconds"] = pick(
             r["manager_seconds"] + r["hash_seconds"] for r in impl_runs
         )
+        med["cpu_share"] = pick_of(impl_runs, ("runner", "cpu_share"), pick)
         if "decode_step" in impl_runs[0]:
             # The mean (not the median) over full-batch steps, comparable with vLLM's figure.
-            med["decode_step_us"] = median_of(impl_runs, ("decode_step", "us_per_step_mean"))
+            med["decode_step_us"] = pick_of(impl_runs, ("decode_step", "us_per_step_mean"), pick)
         else:  # the vLLM driver does not time steps: mean per-call time × running requests
             med["decode_step_us"] = (
                 med["allocate_slots_decode"] * batch if med["allocate_slots_decode"] else None
@@ -162,22 +178,23 @@ def summarize(runs: dict[str, list[dict]], batch: int) -> dict:
     return out
 
 
-def _add(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a + b
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def print_table(name: str, argv: list[str], summary: dict, stats: dict) -> None:
+def print_table(name: str, argv: list[str], summary: dict, best: dict, stats: dict) -> None:
+    """Medians per implementation, then pagedkv/vLLM ratios of the medians and of the bests."""
     impls = [i for i in ("vllm", "pagedkv", "pagedkv_batched") if i in summary]
     print(f"\n== {name}: {' '.join(argv)}")
     print(f"   steps {stats['steps']}, hit rate {stats['prefix_hit_rate']}, "
           f"preemptions {stats['preemptions']}, admission failures {stats['admission_failures']}")
-    header = f"{'metric':32}" + "".join(f"{i:>17}" for i in impls) + f"{'pagedkv/vLLM':>14}"
+    ratio_keys = [("ratio_pagedkv_over_vllm", "p/v med", summary), ("ratio_pagedkv_over_vllm",
+                  "p/v best", best)]
     if "pagedkv_batched" in impls:
-        header += f"{'batched/vLLM':>14}"
+        ratio_keys += [("ratio_batched_over_vllm", "b/v med", summary),
+                       ("ratio_batched_over_vllm", "b/v best", best)]
+    header = f"{'median of runs':32}" + "".join(f"{i:>16}" for i in impls)
+    header += "".join(f"{label:>10}" for _, label, _ in ratio_keys)
     print(header)
     rows = [(f"us/call {m}", m) for m in METHODS] + [
         ("us get_computed+alloc_prefill", "prefill_pair"),
@@ -185,19 +202,19 @@ def print_table(name: str, argv: list[str], summary: dict, stats: dict) -> None:
         ("manager s (whole workload)", "manager_seconds"),
         ("hash s (requests+appends)", "hash_seconds"),
         ("manager+hash s", "manager_plus_hash_seconds"),
+        ("child CPU share (1 = no wait)", "cpu_share"),
     ]
     for label, key in rows:
         line = f"{label:32}"
         for impl in impls:
             value = summary[impl].get(key)
-            line += f"{value:>17.3f}" if value is not None else f"{'-':>17}"
-        ratio = summary["ratio_pagedkv_over_vllm"].get(key)
-        line += f"{ratio:>14.3f}" if ratio is not None else f"{'-':>14}"
-        if "pagedkv_batched" in impls:
-            ratio = summary["ratio_batched_over_vllm"].get(key)
-            line += f"{ratio:>14.3f}" if ratio is not None else f"{'-':>14}"
+            line += f"{value:>16.3f}" if value is not None else f"{'-':>16}"
+        for ratio_name, _, source in ratio_keys:
+            ratio = source[ratio_name].get(key) if key != "cpu_share" else None
+            line += f"{ratio:>10.3f}" if ratio is not None else f"{'-':>10}"
         print(line)
-    print("   (vLLM's decode phase per step is derived: us/call decode x running requests)")
+    print("   vLLM's decode phase per step is derived (mean us/call decode x running requests);"
+          " best = min over runs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,13 +259,16 @@ def main(argv: list[str] | None = None) -> int:
                     assert_same_workload(name, runs["vllm"][-1], runs[impl][-1], impl)
         batch = int(argv_w[argv_w.index("--batch") + 1])
         summary = summarize(runs, batch)
+        best = summarize(runs, batch, pick=min)
         stats = {k: runs["vllm"][0][k] for k in WORKLOAD_STATS}
-        print_table(name, argv_w, summary, stats)
+        print_table(name, argv_w, summary, best, stats)
         record["workloads"][name] = {
-            "args": argv_w, "workload_stats": stats, "median": summary, "runs": runs,
+            "args": argv_w, "workload_stats": stats, "median": summary, "best": best,
+            "runs": runs,
         }
     record["machine"]["loadavg_end"] = os.getloadavg()
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"peer_compare_{started}.json"
+    default_out = REPO / "benchmarks" / "results" / f"peer_compare_{started}.json"
+    out = Path(args.out) if args.out else default_out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     print(f"\nloadavg start {record['machine']['loadavg_start']} end "
