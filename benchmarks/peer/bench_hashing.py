@@ -188,6 +188,10 @@ def run_child(python: str, impl: str, args: argparse.Namespace) -> dict:
 
 
 def runner(args: argparse.Namespace) -> int:
+    if not Path(args.vllm_python).exists():
+        raise SystemExit(f"no peer venv python at {args.vllm_python}: build it with "
+                         "bash benchmarks/peer/vllm/setup_venv.sh DIR, then pass "
+                         "--vllm-python DIR/bin/python")
     results: dict[str, list[dict]] = {"vllm": [], "pagedkv": []}
     pythons = {"vllm": args.vllm_python, "pagedkv": args.pagedkv_python}
     load_start = os.getloadavg()

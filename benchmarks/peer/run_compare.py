@@ -223,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if name not in WORKLOADS:
             raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if not Path(args.vllm_python).exists():
+        raise SystemExit(f"no peer venv python at {args.vllm_python}: build it with "
+                         "bash benchmarks/peer/vllm/setup_venv.sh DIR, then pass "
+                         "--vllm-python DIR/bin/python")
     env = pagedkv_env()
     batched = not args.no_batched and has_batched_decode(args.pagedkv_python, env)
     started = time.strftime("%Y%m%d-%H%M%S")
