@@ -34,6 +34,23 @@ def format_gib(num_bytes: int) -> float:
     return round(num_bytes / GIB_BYTES, 2)
 
 
+def _blocks_per_request(
+    groups: tuple[KVCacheGroupSpec, ...],
+    max_model_len: int,
+    max_in_flight_tokens: int | None,
+    max_num_encoder_input_tokens: int,
+) -> tuple[int, ...]:
+    """Worst-case blocks one request holds in each group (per-spec bytes over page bytes)."""
+    counts = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        num_bytes = spec.max_memory_usage_bytes(
+            max_model_len, max_in_flight_tokens, max_num_encoder_input_tokens
+        )
+        counts.append(cdiv(num_bytes, spec.page_size_bytes))
+    return tuple(counts)
+
+
 @dataclass(frozen=True)
 class KVCacheLayout:
     """A model's layers placed into KV-cache groups that draw block ids from one pool.
@@ -68,14 +85,9 @@ class KVCacheLayout:
         max_num_encoder_input_tokens: int = 0,
     ) -> tuple[int, ...]:
         """Worst-case blocks one request holds in each group."""
-        counts = []
-        for group in self.groups:
-            spec = group.kv_cache_spec
-            num_bytes = spec.max_memory_usage_bytes(
-                max_model_len, max_in_flight_tokens, max_num_encoder_input_tokens
-            )
-            counts.append(cdiv(num_bytes, spec.page_size_bytes))
-        return tuple(counts)
+        return _blocks_per_request(
+            self.groups, max_model_len, max_in_flight_tokens, max_num_encoder_input_tokens
+        )
 
     def max_memory_usage_bytes(
         self,
@@ -420,13 +432,14 @@ def get_max_concurrency(
     Like the reference, `num_blocks` includes the null block (1536 blocks for a 1024-block
     request give 1.5).
     """
-    num_blocks_per_request = 0
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        num_bytes = spec.max_memory_usage_bytes(
-            max_model_len, max_in_flight_tokens, max_num_encoder_input_tokens
+    num_blocks_per_request = sum(
+        _blocks_per_request(
+            kv_cache_config.kv_cache_groups,
+            max_model_len,
+            max_in_flight_tokens,
+            max_num_encoder_input_tokens,
         )
-        num_blocks_per_request += cdiv(num_bytes, spec.page_size_bytes)
+    )
     if num_blocks_per_request == 0:
         return float("inf")
     return kv_cache_config.num_blocks / num_blocks_per_request
