@@ -36,8 +36,7 @@ def test_admission_counts_encoder_blocks() -> None:
     )
     short = make_manager(5, full(4), cross(4), enable_caching=False)
     assert (
-        short.allocate_slots(request, 5, num_encoder_tokens=10, full_sequence_must_fit=True)
-        is None
+        short.allocate_slots(request, 5, num_encoder_tokens=10, full_sequence_must_fit=True) is None
     )
     assert short.allocate_slots(request, 5, num_encoder_tokens=10) is None
     assert short.block_pool.get_num_free_blocks() == 4

@@ -26,7 +26,12 @@ MAX_MODEL_LEN = 256
 CASES = {
     "full": (full(BLOCK_SIZE), FullAttentionManager, [], [1, 2, 3, 4]),
     "sliding_window": (swa(BLOCK_SIZE, 8), SlidingWindowManager, [], [0, 0, 3, 4]),
-    "chunked_local": (chunked(BLOCK_SIZE, 12), ChunkedLocalAttentionManager, [0, 0, 0], [0, 0, 0, 4]),
+    "chunked_local": (
+        chunked(BLOCK_SIZE, 12),
+        ChunkedLocalAttentionManager,
+        [0, 0, 0],
+        [0, 0, 0, 4],
+    ),
     "mamba": (mamba(BLOCK_SIZE), MambaManager, [], [0, 0, 0, 4]),
     "cross_attention": (cross(BLOCK_SIZE), CrossAttentionManager, None, None),
 }
@@ -99,7 +104,9 @@ def test_growing_request_matches_predictions(manager: SingleTypeKVCacheManager) 
         manager.remove_skipped_blocks("r", num_computed)
         num_skipped_blocks = manager.get_num_skipped_tokens(num_computed) // BLOCK_SIZE
         num_free = pool.get_num_free_blocks()
-        predicted = manager.get_num_blocks_to_allocate("r", num_computed + num_new, (), num_computed)
+        predicted = manager.get_num_blocks_to_allocate(
+            "r", num_computed + num_new, (), num_computed
+        )
         new_blocks = manager.allocate_new_blocks("r", num_computed + num_new)
         assert predicted == len(new_blocks) == num_free - pool.get_num_free_blocks()
         if manager.enable_caching:
