@@ -4,10 +4,10 @@ alignment), with every invariant checked after each step."""
 
 from __future__ import annotations
 
+from hybrid_support import full, make_manager, make_request, mamba, swa
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from hybrid_support import full, make_manager, make_request, mamba, swa
 
 from pagedkv import Request, RequestStatus
 from pagedkv.specs import cdiv
