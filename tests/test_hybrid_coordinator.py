@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from hybrid_support import admit, full, make_manager, make_request, mamba, swa
+from hybrid_support import admit, chunked, full, make_manager, make_request, mamba, swa
 
 from pagedkv import BlockStored, ConfigError
 from pagedkv.coordinator import UnitaryKVCacheCoordinator
 from pagedkv.coordinator_hybrid import HybridKVCacheCoordinator
+from pagedkv.managers import FullAttentionManager, SlidingWindowManager
 
 
 def hit_ids(manager, request) -> tuple[tuple[list[int], ...], int]:
@@ -69,6 +70,24 @@ def test_hit_matrix_when_groups_lose_blocks(evicted, expected) -> None:
     assert hit_ids(manager, make_request("2", COMMON + [3] * 7, 16)) == expected
 
 
+def test_full_plus_one_bucket_needs_one_lookup_each(monkeypatch) -> None:
+    manager = full_and_two_windows()
+    manager.evict_blocks({7})  # the windows fall back to 32 tokens
+    calls: list[tuple[str, int]] = []
+    for name, klass in (("full", FullAttentionManager), ("window", SlidingWindowManager)):
+        search = klass.find_longest_cache_hit
+
+        def spy(cls, block_hashes, max_length, *args, name=name, search=search):
+            calls.append((name, max_length))
+            return search(block_hashes, max_length, *args)
+
+        monkeypatch.setattr(klass, "find_longest_cache_hit", classmethod(spy))
+    assert hit_ids(manager, make_request("2", COMMON + [3] * 7, 16))[1] == 32
+    # Full attention answers 48; the windows shrink it to 32, which full attention's longer
+    # hit covers without a second lookup.
+    assert calls == [("full", 54), ("window", 48)]
+
+
 def test_identical_specs_share_a_bucket_and_full_attention_comes_first() -> None:
     manager = make_manager(8, swa(16, 32), full(16), swa(16, 32), swa(16, 64))
     coordinator = manager.coordinator
@@ -90,6 +109,10 @@ def test_different_block_sizes_align_to_their_lcm() -> None:
     assert new_blocks.get_block_ids() == ([1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11])
     # Caching stops at 96, the last multiple of 32: 3 full blocks, 6 window blocks.
     assert (cached_ids(manager, 0), cached_ids(manager, 1)) == ([1, 2, 3], [5, 6, 7, 8, 9, 10])
+    # A 32-token block is keyed by the 16-token chain hash at its end.
+    blocks = manager.block_pool.blocks
+    assert [blocks[i].block_hash for i in (1, 2, 3)] == first.block_hashes[1:6:2]
+    assert [blocks[i].block_hash for i in range(5, 11)] == first.block_hashes[:6]
     manager.free(first)
     second = make_request("b", prompt, 16)
     assert hit_ids(manager, second) == (([1, 2, 3], [0, 0, 0, 0, 9, 10]), 96)
@@ -118,6 +141,32 @@ def test_cached_tokens_round_down_to_the_lcm() -> None:
 def test_block_size_not_a_multiple_of_the_hash_block_size() -> None:
     with pytest.raises(ConfigError, match="group 1's block size 24 is not a multiple of"):
         make_manager(20, full(16), swa(24, 48), hash_block_size=16)
+
+
+def test_full_attention_plus_chunked_local() -> None:
+    manager = make_manager(40, full(4), chunked(4, 8))
+    prompt = list(range(30))
+    first = make_request("a", prompt, 4)
+    # Full attention has nothing cached, so the chunk's free "hit" of 24 tokens does not count.
+    num_hit, new_blocks = admit(manager, first)
+    assert num_hit == 0
+    assert new_blocks.get_block_ids() == (list(range(1, 9)), list(range(9, 17)))
+    manager.free(first)
+    second = make_request("b", prompt, 4)
+    assert hit_ids(manager, second) == ((list(range(1, 8)), [0] * 6 + [15]), 28)
+    # A block of an earlier chunk does not matter; one of the current chunk does.
+    manager.evict_blocks({14})
+    assert hit_ids(manager, second) == ((list(range(1, 8)), [0] * 6 + [15]), 28)
+    manager.evict_blocks({15})
+    assert hit_ids(manager, second) == ((list(range(1, 7)), [0] * 6), 24)
+    num_hit, new_blocks = admit(manager, second)
+    # The unhashed last blocks of the first request's tables are reused first.
+    assert num_hit == 24 and new_blocks.get_block_ids() == ([16, 8], [17, 18])
+    assert manager.get_block_ids("b") == (
+        [1, 2, 3, 4, 5, 6, 16, 8],
+        [0, 0, 0, 0, 0, 0, 17, 18],
+    )
+    manager.check_invariants()
 
 
 # ---------------------------------------------------------------- the fixed point

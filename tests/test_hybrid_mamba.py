@@ -3,8 +3,10 @@ state cached in the current step cannot serve another request until `new_step_st
 
 from __future__ import annotations
 
+import pytest
 from hybrid_support import admit, full, make_manager, make_request, mamba
 
+from pagedkv import InvariantViolation
 from pagedkv.coordinator_hybrid import HybridKVCacheCoordinator
 
 
@@ -95,21 +97,27 @@ def test_mamba_groups_of_one_bucket_share_the_same_step_record() -> None:
         [5, 6, 7, 8],
         [9, 10, 11, 12],
     )
+    manager.free(first)
     manager.new_step_starts()
     # Group 2 loses position 2; a second request re-caches it there (this step), while group 1
     # keeps the first request's older block as the one lookups return.
     manager.evict_blocks({11})
     second = make_request("b", prompt, 16)
     assert admit(manager, second)[0] == 32
-    assert manager.get_block_ids("b") == ([1, 2, 13, 14], [0, 6, 15, 16], [0, 10, 17, 18])
-    assert manager.block_pool.cached_hashes(2)[second.block_hashes[2]] == [17]
+    assert manager.get_block_ids("b") == ([1, 2, 12, 8], [0, 6, 4, 13], [0, 10, 14, 15])
+    assert manager.block_pool.cached_hashes(1)[second.block_hashes[2]] == [7, 4]
+    assert manager.block_pool.cached_hashes(2)[second.block_hashes[2]] == [14]
     # Group 2's state at 48 is from this step, so the bucket misses there.
     assert hit_ids(manager, make_request("c", prompt, 16)) == (([1, 2], [0, 6], [0, 10]), 32)
     manager.new_step_starts()
     assert hit_ids(manager, make_request("c", prompt, 16)) == (
-        ([1, 2, 3], [0, 0, 7], [0, 0, 17]),
+        ([1, 2, 3], [0, 0, 7], [0, 0, 14]),
         48,
     )
+    manager.check_invariants()
+    managers[2].block_ids_cached_this_step = set()
+    with pytest.raises(InvariantViolation, match="Mamba group 2 keeps its own step record"):
+        manager.check_invariants()
 
 
 def test_caching_off_with_one_block_per_request() -> None:

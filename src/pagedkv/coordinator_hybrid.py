@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockResidencyObserver
 from pagedkv.coordinator import KVCacheCoordinator
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, InvariantViolation
 from pagedkv.managers import FullAttentionManager, MambaManager, SingleTypeKVCacheManager
 from pagedkv.specs import CrossAttentionSpec, KVCacheConfig, KVCacheSpec
 
@@ -95,7 +95,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 # A hit is valid only if no member's block was cached this step: share one record.
                 for group_id in group_ids[1:]:
                     member = self.single_type_managers[group_id]
-                    member.block_ids_cached_this_step = manager.block_ids_cached_this_step  # type: ignore[attr-defined]
+                    if isinstance(member, MambaManager):  # same spec, so always
+                        member.block_ids_cached_this_step = manager.block_ids_cached_this_step
             buckets.append(
                 SpecBucket(tuple(group_ids), manager, isinstance(manager, FullAttentionManager))
             )
@@ -154,6 +155,27 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 for group_id in bucket.group_ids:
                     del group_hits[group_id][num_blocks:]
         return tuple(group_hits), candidate
+
+    def check_invariants(self) -> None:
+        """The base's checks, plus: the buckets cover exactly the cacheable groups, by spec."""
+        super().check_invariants()
+        managers = self.single_type_managers
+        bucketed = sorted(group_id for bucket in self.spec_buckets for group_id in bucket.group_ids)
+        cacheable = [group_id for group_id, m in enumerate(managers) if m.enable_caching]
+        if bucketed != cacheable:
+            raise InvariantViolation(f"buckets cover groups {bucketed}, cacheable are {cacheable}")
+        for bucket in self.spec_buckets:
+            for group_id in bucket.group_ids:
+                member = managers[group_id]
+                if member.kv_cache_spec != bucket.manager.kv_cache_spec:
+                    raise InvariantViolation(f"group {group_id}'s spec differs from its bucket's")
+                first = bucket.manager
+                if (
+                    isinstance(member, MambaManager)
+                    and isinstance(first, MambaManager)
+                    and member.block_ids_cached_this_step is not first.block_ids_cached_this_step
+                ):
+                    raise InvariantViolation(f"Mamba group {group_id} keeps its own step record")
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache full blocks up to `num_computed_tokens` rounded down to `scheduler_block_size`.
