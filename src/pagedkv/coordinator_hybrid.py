@@ -54,6 +54,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         enable_kv_cache_events: bool = False,
         max_in_flight_tokens: int | None = None,
         metrics_collector: BlockResidencyObserver | None = None,
+        scheduler_block_size: int | None = None,
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if enable_caching:
@@ -69,7 +70,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                         f"group {group_id}'s block size {spec.block_size} is not a multiple of "
                         f"hash_block_size {hash_block_size}"
                     )
-        self.scheduler_block_size = lcm(*(g.kv_cache_spec.block_size for g in groups))
+        group_lcm = lcm(*(g.kv_cache_spec.block_size for g in groups))
+        if scheduler_block_size is not None and scheduler_block_size % group_lcm:
+            raise ConfigError(
+                f"scheduler_block_size {scheduler_block_size} is not a multiple of the group "
+                f"block sizes' LCM {group_lcm}"
+            )
+        self.scheduler_block_size = scheduler_block_size or group_lcm
         super().__init__(
             kv_cache_config,
             max_model_len,
