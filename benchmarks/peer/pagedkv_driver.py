@@ -102,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "then exit")
     p.add_argument("--check", action="store_true",
                    help="verify block tables / ref counts after every step (slow, untimed)")
+    p.add_argument("--gc-stats", action="store_true",
+                   help="report garbage collections per generation and their total time")
     p.add_argument("--batched-decode", action="store_true",
                    help="decode with one KVCacheManager.allocate_decode_slots(running) call "
                         "per step (pagedkv extension; error if the manager lacks it)")
@@ -250,6 +252,7 @@ class Replay:
         self.total_decode_tokens = 0
         # (running requests decoded, seconds of manager time in the decode phase) per step
         self.decode_steps_timed: list[tuple[int, float]] = []
+        self.gc_stats = GCStats()
 
     # ------------------------------------------------------------------ phases
 
@@ -442,6 +445,8 @@ class Replay:
             check_state(self.manager, self.running, self.args.block_size, self.usable_blocks)
 
     def run(self) -> float:
+        if self.args.gc_stats:
+            gc.callbacks.append(self.gc_stats.on_gc)
         if self.args.no_gc:
             gc.disable()
         wall0 = perf_counter()
@@ -460,6 +465,8 @@ class Replay:
         wall = perf_counter() - wall0
         if self.args.no_gc:
             gc.enable()
+        if self.args.gc_stats:
+            gc.callbacks.remove(self.gc_stats.on_gc)
         return wall
 
     # ------------------------------------------------------------------ report
@@ -522,7 +529,30 @@ class Replay:
             "expected_free_blocks": self.usable_blocks,
             "free_check_ok": final_free == self.usable_blocks and leftover == 0,
             "decode_step": self.decode_step_summary(),
+            **({"gc": self.gc_stats.summary()} if args.gc_stats else {}),
         }
+
+
+class GCStats:
+    """Collections per generation and the time they took (gc.callbacks), during the replay."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._t0 = 0.0
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = perf_counter()
+        else:
+            generation = info["generation"]
+            self.collections[generation] += 1
+            self.seconds[generation] += perf_counter() - self._t0
+
+    def summary(self) -> dict:
+        return {"collections": self.collections,
+                "seconds": [round(s, 6) for s in self.seconds],
+                "tracked_objects_at_end": len(gc.get_objects())}
 
 
 def _method_stats(calls: int, seconds: float) -> dict:
