@@ -28,6 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 PAGEDKV_DRIVER = HERE / "pagedkv_driver.py"
+CPU_CLOCK = HERE / "cpu_clock.py"
 VLLM_DRIVER = HERE / "vllm" / "vllm_kv_driver.py"
 DEFAULT_VLLM_PYTHON = os.environ.get("PEER_PYTHON", "/work/.peer-venv/bin/python")
 
@@ -71,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-batched", action="store_true",
                    help="skip the pagedkv --batched-decode runs even if the API exists")
     p.add_argument("--quick", action="store_true", help="smaller workloads (smoke test)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall: the drivers' perf_counter; cpu: thread CPU time (cpu_clock.py), "
+                        "its per-interval cost subtracted; steadier on a busy machine")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
     return p.parse_args(argv)
 
@@ -88,9 +92,12 @@ def workload_args(name: str, quick: bool) -> list[str]:
     return [*argv, "--max-model-len", str(max_model_len)]
 
 
-def run_driver(python: str, driver: Path, argv: list[str], env: dict[str, str]) -> dict:
+def run_driver(python: str, driver: Path, argv: list[str], env: dict[str, str],
+               clock: str = "wall") -> dict:
     """Run one driver; its JSON line, plus the child's wall and CPU seconds (contention)."""
     cmd = [python, str(driver), *argv]
+    if clock == "cpu":
+        cmd.insert(1, str(CPU_CLOCK))
     usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -103,7 +110,32 @@ def run_driver(python: str, driver: Path, argv: list[str], env: dict[str, str]) 
     # CPU share below 1.0 means the child waited for a core: other load inflated its timers.
     result["runner"] = {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
                         "cpu_share": round(cpu / wall, 3)}
+    if "clock" in result:
+        subtract_clock_overhead(result)
     return result
+
+
+def subtract_clock_overhead(result: dict) -> None:
+    """Take the CPU clock's own cost (one per timed interval) out of the manager timings."""
+    overhead = result["clock"]["overhead_us"] * 1e-6
+    per_method = result["per_method"]
+    for method, stats in per_method.items():
+        if method == "allocate_slots":
+            continue
+        stats["seconds"] = max(stats["seconds"] - stats["calls"] * overhead, 0.0)
+        stats["us_per_call"] = 1e6 * stats["seconds"] / stats["calls"] if stats["calls"] else None
+    merged = per_method["allocate_slots"]
+    merged["seconds"] = (per_method["allocate_slots_prefill"]["seconds"]
+                         + per_method["allocate_slots_decode"]["seconds"])
+    merged["us_per_call"] = 1e6 * merged["seconds"] / merged["calls"] if merged["calls"] else None
+    result["manager_seconds"] = sum(
+        stats["seconds"] for method, stats in per_method.items() if method != "allocate_slots")
+    step = result.get("decode_step")
+    if step and step["us_per_step_mean"] is not None:
+        # One timed interval per request per step, or one per step when batched.
+        intervals = 1 if step["batched"] else step["running_requests"]
+        step["us_per_step_mean"] -= intervals * result["clock"]["overhead_us"]
+        step["us_per_step_median"] -= intervals * result["clock"]["overhead_us"]
 
 
 def pagedkv_env() -> dict[str, str]:
@@ -240,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_start": os.getloadavg(),
         },
         "reps": args.reps,
+        "clock": args.clock,
         "batched_decode": batched,
         "workloads": {},
     }
@@ -253,10 +286,12 @@ def main(argv: list[str] | None = None) -> int:
             for impl in order:
                 print(f"[{name} rep {rep + 1}/{args.reps}] {impl}", file=sys.stderr, flush=True)
                 if impl == "vllm":
-                    result = run_driver(args.vllm_python, VLLM_DRIVER, argv_w, dict(os.environ))
+                    result = run_driver(args.vllm_python, VLLM_DRIVER, argv_w, dict(os.environ),
+                                        args.clock)
                 else:
                     extra = ["--batched-decode"] if impl == "pagedkv_batched" else []
-                    result = run_driver(args.pagedkv_python, PAGEDKV_DRIVER, argv_w + extra, env)
+                    result = run_driver(args.pagedkv_python, PAGEDKV_DRIVER, argv_w + extra, env,
+                                        args.clock)
                 runs[impl].append(result)
             for impl in runs:
                 if impl != "vllm":
