@@ -253,6 +253,7 @@ class Replay:
         # (running requests decoded, seconds of manager time in the decode phase) per step
         self.decode_steps_timed: list[tuple[int, float]] = []
         self.gc_stats = GCStats()
+        self.num_batched_calls = 0  # allocate_decode_slots calls (timed intervals)
 
     # ------------------------------------------------------------------ phases
 
@@ -313,6 +314,7 @@ class Replay:
             t0 = perf_counter()
             result = manager.allocate_decode_slots(running, start)
             self.t_sum["allocate_slots_decode"] += perf_counter() - t0
+            self.num_batched_calls += 1
             start += result.num_allocated
             self.n_call["allocate_slots_decode"] += result.num_allocated
             if start == len(running):
@@ -489,6 +491,10 @@ class Replay:
         leftover = sum(len(m.req_to_blocks) for m in self.manager.coordinator.single_type_managers)
         manager_seconds = sum(t_sum.values())
         per_method = {k: _method_stats(n_call[k], t_sum[k]) for k in METHODS}
+        if args.batched_decode:
+            # `calls` counts requests served (as the sequential replay's calls); the timer ran
+            # once per allocate_decode_slots call.
+            per_method["allocate_slots_decode"]["timed_intervals"] = self.num_batched_calls
         per_method["allocate_slots"] = _method_stats(
             n_call["allocate_slots_prefill"] + n_call["allocate_slots_decode"],
             t_sum["allocate_slots_prefill"] + t_sum["allocate_slots_decode"],

@@ -122,7 +122,8 @@ def subtract_clock_overhead(result: dict) -> None:
     for method, stats in per_method.items():
         if method == "allocate_slots":
             continue
-        stats["seconds"] = max(stats["seconds"] - stats["calls"] * overhead, 0.0)
+        intervals = stats.get("timed_intervals", stats["calls"])
+        stats["seconds"] = max(stats["seconds"] - intervals * overhead, 0.0)
         stats["us_per_call"] = 1e6 * stats["seconds"] / stats["calls"] if stats["calls"] else None
     merged = per_method["allocate_slots"]
     merged["seconds"] = (per_method["allocate_slots_prefill"]["seconds"]
