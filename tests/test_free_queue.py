@@ -237,3 +237,12 @@ def test_check_invariants_detects_broken_back_link():
     blocks[2].prev_free_block = blocks[0]
     with pytest.raises(InvariantViolation, match="forward links"):
         queue.check_invariants()
+
+
+def test_popleft_n_negative_raises_and_changes_nothing():
+    _, queue = make_queue(3)
+    with pytest.raises(InvalidArgumentError, match="-1"):
+        queue.popleft_n(-1)
+    assert ids(queue) == [0, 1, 2]
+    assert queue.num_free_blocks == 3
+    queue.check_invariants()
