@@ -7,7 +7,7 @@ and drives the coordinator. Knows nothing of scheduling policy.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -493,9 +493,13 @@ class KVCacheManager:
                     logger.warning("KV event group %d is not in KV cache metadata", event.group_idx)
         return events
 
-    def check_invariants(self) -> None:
-        """Check the pool, every manager and the facade's request registry."""
-        self.coordinator.check_invariants()
+    def check_invariants(self, held_outside: Iterable[KVCacheBlock] = ()) -> None:
+        """Check the pool, every manager and the facade's request registry.
+
+        `held_outside`: blocks popped by `pop_blocks_for_free` and not freed yet (each
+        occurrence is one reference no block table accounts for).
+        """
+        self.coordinator.check_invariants(held_outside)
         for manager in self.coordinator.single_type_managers:
             for request_id in manager.req_to_blocks:
                 if request_id not in self._requests:
