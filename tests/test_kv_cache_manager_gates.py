@@ -150,8 +150,10 @@ def test_full_sequence_must_fit_counts_evictable_hits(manager):
     hold(manager, "filler2", 1)  # now 6 free
     req2 = make_request("r2", COMMON + list(range(52)))
     hits, num_hit_tokens, _ = manager.get_computed_blocks(req2)
+    assert num_hit_tokens == 64  # req cached its first chunk (block 4) too
     before = snapshot(manager)
-    assert manager.allocate_slots(req2, 16, 48, hits, full_sequence_must_fit=True) is None
+    # 3 new blocks + 4 evictable hits = 7 > 6 free.
+    assert manager.allocate_slots(req2, 16, 64, hits, full_sequence_must_fit=True) is None
     assert snapshot(manager) == before
 
 

@@ -25,7 +25,7 @@ from pagedkv.errors import (
 )
 from pagedkv.events import BlockStored, KVCacheEvent
 from pagedkv.request import Request, RequestStatus
-from pagedkv.specs import KVCacheConfig, SlidingWindowSpec
+from pagedkv.specs import KVCacheConfig, SlidingWindowSpec, cdiv
 from pagedkv.stats import PrefixCacheStats
 
 logger = logging.getLogger(__name__)
@@ -400,7 +400,9 @@ class KVCacheManager:
         for group_id, (manager, blocks) in enumerate(
             zip(self.coordinator.single_type_managers, hits, strict=True)
         ):
-            if len(blocks) * manager.block_size < num_new_computed_tokens:
+            # Exactly the blocks covering the hit: extra hit blocks would be counted as cached
+            # while their tokens are still to be computed (into shared blocks).
+            if len(blocks) != cdiv(num_new_computed_tokens, manager.block_size):
                 raise InvalidArgumentError(
                     f"num_new_computed_tokens={num_new_computed_tokens} but group {group_id} "
                     f"has {len(blocks)} hit blocks of {manager.block_size} tokens"
