@@ -502,10 +502,28 @@ class KVCacheManager:
         occurrence is one reference no block table accounts for).
         """
         self.coordinator.check_invariants(held_outside)
-        for manager in self.coordinator.single_type_managers:
-            for request_id in manager.req_to_blocks:
-                if request_id not in self._requests:
+        null_block = self.block_pool.null_block
+        for group_id, manager in enumerate(self.coordinator.single_type_managers):
+            for request_id, blocks in manager.req_to_blocks.items():
+                request = self._requests.get(request_id)
+                if request is None:
                     raise InvariantViolation(f"request {request_id!r} holds blocks but is unknown")
+                if not manager.enable_caching:
+                    continue
+                hashes = manager.resolve_hashes(request.block_hashes)
+                for index in range(manager.num_cached_block.get(request_id, 0)):
+                    block = blocks[index]
+                    if block is null_block or block.block_hash is None:
+                        continue  # evict_blocks may drop the entry of a held block
+                    if (
+                        index >= len(hashes)
+                        or block.block_hash != hashes[index]
+                        or block.hash_group_id != group_id
+                    ):
+                        raise InvariantViolation(
+                            f"request {request_id!r}: block {block.block_id} at position {index} "
+                            f"of group {group_id} is cached under another hash"
+                        )
         usage = self.usage
         if not 0.0 <= usage <= 1.0:
             raise InvariantViolation(f"usage {usage} outside [0, 1]")
