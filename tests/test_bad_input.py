@@ -179,81 +179,198 @@ def group_index_out_of_range(index):
 
 CASES = [
     # (name, exception, message regex, action)
-    ("zero tokens", InvalidArgumentError, r"num_new_tokens must be greater than 0",
-     lambda c: c.manager.allocate_slots(fresh(), 0)),
-    ("negative num_new_tokens", InvalidArgumentError, r"num_new_tokens.*-5",
-     lambda c: c.manager.allocate_slots(fresh(), -5)),
-    ("negative num_new_computed_tokens", InvalidArgumentError, r"num_new_computed_tokens.*-16",
-     lambda c: c.manager.allocate_slots(fresh(), 1, -16)),
-    ("negative lookahead", InvalidArgumentError, r"num_lookahead_tokens.*-2",
-     lambda c: c.manager.allocate_slots(c.live, 1, num_lookahead_tokens=-2)),
-    ("negative external", InvalidArgumentError, r"num_external_computed_tokens.*-3",
-     lambda c: c.manager.allocate_slots(fresh(), 1, num_external_computed_tokens=-3)),
-    ("negative encoder tokens", InvalidArgumentError, r"num_encoder_tokens.*-1",
-     lambda c: c.manager.allocate_slots(fresh(), 1, num_encoder_tokens=-1)),
-    ("negative reserved_blocks", InvalidArgumentError, r"reserved_blocks.*-1",
-     lambda c: c.manager.allocate_slots(fresh(), 10, reserved_blocks=-1)),
-    ("float num_new_tokens", InvalidTypeError, r"num_new_tokens.*2\.5",
-     lambda c: c.manager.allocate_slots(fresh(), 2.5)),
-    ("bool num_new_tokens", InvalidTypeError, r"num_new_tokens.*True",
-     lambda c: c.manager.allocate_slots(fresh(), True)),
-    ("not a request", InvalidTypeError, r"str",
-     lambda c: c.manager.allocate_slots("live", 1)),
-    ("past max_model_len (new)", InvalidArgumentError, r"300 tokens.*max_model_len 256",
-     lambda c: c.manager.allocate_slots(fresh("long", [1] * 300), 300)),
-    ("past max_model_len (running)", InvalidArgumentError, r"'live': 257 tokens.*256",
-     lambda c: c.manager.allocate_slots(c.live, 202)),
-    ("past max_model_len (external)", InvalidArgumentError, r"external 250.*max_model_len 256",
-     lambda c: c.manager.allocate_slots(fresh(), 10, num_external_computed_tokens=250)),
-    ("hits from another pool", ForeignBlockError, r"hit block 1 .*not belong to this",
-     foreign_pool_hits),
+    (
+        "zero tokens",
+        InvalidArgumentError,
+        r"num_new_tokens must be greater than 0",
+        lambda c: c.manager.allocate_slots(fresh(), 0),
+    ),
+    (
+        "negative num_new_tokens",
+        InvalidArgumentError,
+        r"num_new_tokens.*-5",
+        lambda c: c.manager.allocate_slots(fresh(), -5),
+    ),
+    (
+        "negative num_new_computed_tokens",
+        InvalidArgumentError,
+        r"num_new_computed_tokens.*-16",
+        lambda c: c.manager.allocate_slots(fresh(), 1, -16),
+    ),
+    (
+        "negative lookahead",
+        InvalidArgumentError,
+        r"num_lookahead_tokens.*-2",
+        lambda c: c.manager.allocate_slots(c.live, 1, num_lookahead_tokens=-2),
+    ),
+    (
+        "negative external",
+        InvalidArgumentError,
+        r"num_external_computed_tokens.*-3",
+        lambda c: c.manager.allocate_slots(fresh(), 1, num_external_computed_tokens=-3),
+    ),
+    (
+        "negative encoder tokens",
+        InvalidArgumentError,
+        r"num_encoder_tokens.*-1",
+        lambda c: c.manager.allocate_slots(fresh(), 1, num_encoder_tokens=-1),
+    ),
+    (
+        "negative reserved_blocks",
+        InvalidArgumentError,
+        r"reserved_blocks.*-1",
+        lambda c: c.manager.allocate_slots(fresh(), 10, reserved_blocks=-1),
+    ),
+    (
+        "float num_new_tokens",
+        InvalidTypeError,
+        r"num_new_tokens.*2\.5",
+        lambda c: c.manager.allocate_slots(fresh(), 2.5),
+    ),
+    (
+        "bool num_new_tokens",
+        InvalidTypeError,
+        r"num_new_tokens.*True",
+        lambda c: c.manager.allocate_slots(fresh(), True),
+    ),
+    ("not a request", InvalidTypeError, r"str", lambda c: c.manager.allocate_slots("live", 1)),
+    (
+        "past max_model_len (new)",
+        InvalidArgumentError,
+        r"300 tokens.*max_model_len 256",
+        lambda c: c.manager.allocate_slots(fresh("long", [1] * 300), 300),
+    ),
+    (
+        "past max_model_len (running)",
+        InvalidArgumentError,
+        r"'live': 257 tokens.*256",
+        lambda c: c.manager.allocate_slots(c.live, 202),
+    ),
+    (
+        "past max_model_len (external)",
+        InvalidArgumentError,
+        r"external 250.*max_model_len 256",
+        lambda c: c.manager.allocate_slots(fresh(), 10, num_external_computed_tokens=250),
+    ),
+    (
+        "hits from another pool",
+        ForeignBlockError,
+        r"hit block 1 .*not belong to this",
+        foreign_pool_hits,
+    ),
     ("another request's hits", ForeignBlockError, r"hit block 1 .*'mine'", other_requests_hits),
-    ("more hit blocks than hit tokens", InvalidArgumentError, r"num_new_computed_tokens=16",
-     too_many_hit_blocks),
-    ("fewer hit blocks than hit tokens", InvalidArgumentError, r"num_new_computed_tokens=64",
-     too_few_hit_blocks),
-    ("hits for a running request", RequestStateError, r"'live' already has computed tokens",
-     hits_for_running_request),
-    ("hit tokens without blocks", InvalidArgumentError, r"num_new_computed_tokens=48",
-     hit_tokens_without_blocks),
+    (
+        "more hit blocks than hit tokens",
+        InvalidArgumentError,
+        r"num_new_computed_tokens=16",
+        too_many_hit_blocks,
+    ),
+    (
+        "fewer hit blocks than hit tokens",
+        InvalidArgumentError,
+        r"num_new_computed_tokens=64",
+        too_few_hit_blocks,
+    ),
+    (
+        "hits for a running request",
+        RequestStateError,
+        r"'live' already has computed tokens",
+        hits_for_running_request,
+    ),
+    (
+        "hit tokens without blocks",
+        InvalidArgumentError,
+        r"num_new_computed_tokens=48",
+        hit_tokens_without_blocks,
+    ),
     ("hits with the wrong group count", GroupIndexError, r"2 groups", wrong_group_count),
-    ("finished (stopped) request", RequestStateError, r"'done' is FINISHED_STOPPED",
-     set_status_and_allocate(RequestStatus.FINISHED_STOPPED)),
-    ("finished (aborted) request", RequestStateError, r"'done' is FINISHED_ABORTED",
-     set_status_and_allocate(RequestStatus.FINISHED_ABORTED)),
+    (
+        "finished (stopped) request",
+        RequestStateError,
+        r"'done' is FINISHED_STOPPED",
+        set_status_and_allocate(RequestStatus.FINISHED_STOPPED),
+    ),
+    (
+        "finished (aborted) request",
+        RequestStateError,
+        r"'done' is FINISHED_ABORTED",
+        set_status_and_allocate(RequestStatus.FINISHED_ABORTED),
+    ),
     ("reused request id", RequestStateError, r"'live' is reused", reused_request_id),
-    ("no block hasher with caching on", RequestStateError, r"'plain' has no block hasher",
-     no_block_hasher),
-    ("hasher block size mismatch", ConfigError, r"blocks of 8 tokens.*needs 16",
-     hasher_block_size_mismatch),
-    ("append a float token", InvalidTypeError, r"1\.5",
-     append_and_check_request_unchanged(1.5)),
-    ("append a str token in a list", InvalidTypeError, r"position 1 is 'x'",
-     append_and_check_request_unchanged([3, "x"])),
-    ("append None in a list", InvalidTypeError, r"position 2 is None",
-     append_and_check_request_unchanged([3, 4, None])),
+    (
+        "no block hasher with caching on",
+        RequestStateError,
+        r"'plain' has no block hasher",
+        no_block_hasher,
+    ),
+    (
+        "hasher block size mismatch",
+        ConfigError,
+        r"blocks of 8 tokens.*needs 16",
+        hasher_block_size_mismatch,
+    ),
+    ("append a float token", InvalidTypeError, r"1\.5", append_and_check_request_unchanged(1.5)),
+    (
+        "append a str token in a list",
+        InvalidTypeError,
+        r"position 1 is 'x'",
+        append_and_check_request_unchanged([3, "x"]),
+    ),
+    (
+        "append None in a list",
+        InvalidTypeError,
+        r"position 2 is None",
+        append_and_check_request_unchanged([3, 4, None]),
+    ),
     ("append a bool", InvalidTypeError, r"True", append_and_check_request_unchanged(True)),
     ("append a str", InvalidTypeError, r"'abc'", append_and_check_request_unchanged("abc")),
-    ("append a negative token", InvalidArgumentError, r"-1",
-     append_and_check_request_unchanged(-1)),
-    ("append a too-large token", InvalidArgumentError, r"4294967296",
-     append_and_check_request_unchanged([1, 2**32])),
-    ("append to a finished request", RequestStateError, r"'done' is FINISHED_STOPPED",
-     lambda c: c.done.append_output_token_ids(1)),
+    (
+        "append a negative token",
+        InvalidArgumentError,
+        r"-1",
+        append_and_check_request_unchanged(-1),
+    ),
+    (
+        "append a too-large token",
+        InvalidArgumentError,
+        r"4294967296",
+        append_and_check_request_unchanged([1, 2**32]),
+    ),
+    (
+        "append to a finished request",
+        RequestStateError,
+        r"'done' is FINISHED_STOPPED",
+        lambda c: c.done.append_output_token_ids(1),
+    ),
     ("evict an out-of-range id", InvalidArgumentError, r"block id 11 ", evict_out_of_range),
     ("evict a negative id", InvalidArgumentError, r"block id -1 ", evict_negative),
-    ("cache past num_tokens", InvalidArgumentError, r"cannot cache 56 tokens.*has 55",
-     cache_past_num_tokens),
-    ("cache for a request without blocks", RequestStateError, r"'ghost' holds no blocks",
-     cache_unknown_request),
-    ("negative remove_skipped_blocks", InvalidArgumentError, r"processed_computed_tokens.*-4",
-     lambda c: c.manager.remove_skipped_blocks("live", -4)),
+    (
+        "cache past num_tokens",
+        InvalidArgumentError,
+        r"cannot cache 56 tokens.*has 55",
+        cache_past_num_tokens,
+    ),
+    (
+        "cache for a request without blocks",
+        RequestStateError,
+        r"'ghost' holds no blocks",
+        cache_unknown_request,
+    ),
+    (
+        "negative remove_skipped_blocks",
+        InvalidArgumentError,
+        r"processed_computed_tokens.*-4",
+        lambda c: c.manager.remove_skipped_blocks("live", -4),
+    ),
     ("group index too large", GroupIndexError, r"group index 1 ", group_index_out_of_range(1)),
     ("negative group index", GroupIndexError, r"group index -1 ", group_index_out_of_range(-1)),
-    ("pool: negative allocation", InvalidArgumentError, r"-2",
-     lambda c: c.pool.get_new_blocks(-2)),
-    ("pool: allocation past free", InvalidArgumentError, r"cannot allocate 7 blocks: only 6",
-     lambda c: c.pool.get_new_blocks(7)),
+    ("pool: negative allocation", InvalidArgumentError, r"-2", lambda c: c.pool.get_new_blocks(-2)),
+    (
+        "pool: allocation past free",
+        InvalidArgumentError,
+        r"cannot allocate 7 blocks: only 6",
+        lambda c: c.pool.get_new_blocks(7),
+    ),
 ]
 
 
@@ -351,7 +468,9 @@ def test_non_int_num_blocks(num_blocks):
 
 @pytest.mark.parametrize("block_size", [0, -16, 1.5, None])
 def test_bad_block_size(block_size):
-    with pytest.raises(ConfigError, match=re.escape(f"block_size must be a positive int, got {block_size!r}")):
+    with pytest.raises(
+        ConfigError, match=re.escape(f"block_size must be a positive int, got {block_size!r}")
+    ):
         spec(block_size)
 
 
@@ -376,12 +495,16 @@ def test_watermark_outside_unit_interval(watermark):
 
 @pytest.mark.parametrize("max_model_len", [0, -1])
 def test_bad_max_model_len(max_model_len):
-    with pytest.raises(InvalidArgumentError, match=f"max_model_len must be >= 1, got {max_model_len}"):
+    with pytest.raises(
+        InvalidArgumentError, match=f"max_model_len must be >= 1, got {max_model_len}"
+    ):
         make_manager(11, 16, max_model_len=max_model_len)
 
 
 def test_hash_block_size_must_equal_block_size_with_one_group():
-    with pytest.raises(ConfigError, match=r"hash_block_size \(8\) must equal the block size \(16\)"):
+    with pytest.raises(
+        ConfigError, match=r"hash_block_size \(8\) must equal the block size \(16\)"
+    ):
         KVCacheManager(full_config(11, 16), 128, hash_block_size=8)
 
 

@@ -173,7 +173,9 @@ def test_cache_full_blocks_sets_hashes_and_maps():
         assert block.block_hash == block_hash
         assert block.hash_group_id == 0
         assert pool.hash_to_block[0][block_hash] is block
-    assert pool.cached_hashes(0) == {h: [b.block_id] for h, b in zip(req.block_hashes, blocks)}
+    assert pool.cached_hashes(0) == {
+        h: [b.block_id] for h, b in zip(req.block_hashes, blocks, strict=True)
+    }
     assert pool.num_cached_blocks() == 3
     assert pool.get_cached_block(req.block_hashes[1], [0]) == [blocks[1]]
     assert pool.get_cached_block(b"\x00" * 32, [0]) is None

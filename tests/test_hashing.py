@@ -146,7 +146,9 @@ def test_sha256_cbor_with_extra_keys_matches_reference_formula():
             (("lora", "adapter", "/path/a"), ("mm", "img", 2), ("cache_salt", "salt")),
         )
     )
-    h1 = reference_cbor_hash((h0, (4, 5, 6, 7), (("lora", "adapter", "/path/a"), ("mm", "img", -2))))
+    h1 = reference_cbor_hash(
+        (h0, (4, 5, 6, 7), (("lora", "adapter", "/path/a"), ("mm", "img", -2)))
+    )
     h2 = reference_cbor_hash((h1, (8, 9, 10, 11), (("lora", "adapter", "/path/a"),)))
     assert req.block_hashes == [h0, h1, h2]
 

@@ -57,7 +57,7 @@ def test_unverified_draft_tokens_are_not_cached():
     manager.check_invariants()
 
 
-# ---------------------------------------------------------------------------- zero tokens / external
+# ------------------------------------------------------------------ zero tokens / external
 
 
 def test_zero_token_call_raises_reference_message(manager):
@@ -101,7 +101,7 @@ def test_local_hit_plus_external_plus_new(manager):
     manager.check_invariants()
 
 
-# ---------------------------------------------------------------------------- full_sequence_must_fit
+# ------------------------------------------------------------------ full_sequence_must_fit
 
 
 def hold(manager, request_id: str, num_blocks: int, block_size: int = 16):

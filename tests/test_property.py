@@ -316,7 +316,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         STEPS_RUN[0] += 1
         self.manager.check_invariants(held_outside=self.held_outside())
         assert 0.0 <= self.manager.usage <= 1.0
-        held = {b.block_id for r in self.running for b in self.manager.get_blocks(r.request_id).blocks[0]}
+        held = {
+            b.block_id
+            for r in self.running
+            for b in self.manager.get_blocks(r.request_id).blocks[0]
+        }
         held |= {b.block_id for b in self.held_outside()}
         assert len(held) + self.manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
 

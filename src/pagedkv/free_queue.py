@@ -54,7 +54,9 @@ class FreeKVCacheBlockQueue:
         if num_blocks <= 0:
             if num_blocks < 0:
                 # A negative count would silently inflate num_free_blocks.
-                raise InvalidArgumentError(f"cannot pop {num_blocks} blocks: the count must be >= 0")
+                raise InvalidArgumentError(
+                    f"cannot pop {num_blocks} blocks: the count must be >= 0"
+                )
             return []
         if num_blocks > self.num_free_blocks:
             raise InvalidArgumentError(

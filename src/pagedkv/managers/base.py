@@ -213,7 +213,7 @@ class SingleTypeKVCacheManager:
                     f"group {self.kv_cache_group_id}: request {request_id!r} has "
                     f"num_cached_block {num_cached} > {len(blocks)} blocks"
                 )
-            for index, block in enumerate(blocks):
+            for block in blocks:
                 if block is self._null_block:
                     continue
                 if self.block_pool.blocks[block.block_id] is not block:
