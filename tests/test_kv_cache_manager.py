@@ -6,9 +6,10 @@ describes them for 0.32: unhashed blocks freed to the head, hashed ones to the t
 
 from __future__ import annotations
 
+import pytest
 from conftest import admit, free_ids, make_manager, make_request, snapshot
 
-from pagedkv import KVCacheBlocks, RequestStatus
+from pagedkv import InvariantViolation, KVCacheBlocks, RequestStatus
 
 COMMON = [i for i in range(3) for _ in range(16)]  # three full blocks of 16
 
@@ -430,3 +431,66 @@ def test_kv_cache_blocks_helpers(manager):
     assert two.get_block_ids(group_ids=[1]) == ([0, 9],)
     assert two.get_unhashed_block_ids_all_groups() == [[], [9]]
     assert KVCacheBlocks(((), ())).get_block_ids(allow_none=True, group_ids=[0]) is None
+
+
+# ---------------------------------------------------------------------------- check_invariants
+
+
+def corrupt_ref_count(manager, pool):
+    pool.blocks[2].ref_cnt += 1  # held by one table, counted twice
+
+
+def corrupt_unknown_holder(manager, pool):
+    manager.coordinator.single_type_managers[0].req_to_blocks["ghost"] = [pool.blocks[1]]
+    pool.blocks[1].ref_cnt += 1
+
+
+def corrupt_hash_of_held_block(manager, pool):
+    # Re-key block 2 under block 1's hash (both map entries kept consistent for the pool).
+    hash_map = pool.hash_to_block[0]
+    del hash_map[pool.blocks[2].block_hash]
+    pool.blocks[2].block_hash = pool.blocks[3].block_hash
+    pool._duplicates[0][pool.blocks[3].block_hash] = {2: pool.blocks[2]}
+
+
+def corrupt_num_cached_block(manager, pool):
+    manager.coordinator.single_type_managers[0].num_cached_block["0"] = 9
+
+
+def corrupt_foreign_block(manager, pool):
+    from pagedkv import KVCacheBlock
+
+    table = manager.coordinator.single_type_managers[0].req_to_blocks["0"]
+    table[3] = KVCacheBlock(4, ref_cnt=1)
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        corrupt_ref_count,
+        corrupt_unknown_holder,
+        corrupt_hash_of_held_block,
+        corrupt_num_cached_block,
+        corrupt_foreign_block,
+    ],
+    ids=lambda f: f.__name__,
+)
+def test_manager_check_invariants_catches_corruption(manager, corrupt):
+    r0 = make_request("0", COMMON + [3] * 7)
+    admit(manager, r0)
+    manager.check_invariants()
+    corrupt(manager, manager.block_pool)
+    with pytest.raises(InvariantViolation):
+        manager.check_invariants()
+
+
+def test_evicted_held_block_keeps_invariants(manager):
+    r0 = make_request("0", COMMON + [3] * 7)
+    admit(manager, r0)
+    manager.evict_blocks({2})
+    assert manager.block_pool.blocks[2].block_hash is None
+    manager.check_invariants()
+    manager.free(r0)
+    # Unhashed now, block 2 joins block 4 at the head (in reverse table order).
+    assert free_ids(manager) == [4, 2, 5, 6, 7, 8, 9, 10, 3, 1]
+    manager.check_invariants()
