@@ -438,6 +438,13 @@ def test_free_with_impostor_object_is_silent(ctx):
     assert snapshot(ctx.manager) == before
 
 
+def test_pop_blocks_for_free_with_impostor_object_is_silent(ctx):
+    """As `free`: a different Request reusing a live id pops nothing of the live request."""
+    before = snapshot(ctx.manager)
+    assert ctx.manager.pop_blocks_for_free(make_request("live", [1, 2, 3])) == []
+    assert snapshot(ctx.manager) == before
+
+
 def test_reused_id_after_free_is_allowed(ctx):
     ctx.manager.free(ctx.live)
     again = make_request("live", [4] * 20)

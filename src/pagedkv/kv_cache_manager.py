@@ -446,6 +446,8 @@ class KVCacheManager:
         `block_pool.free_blocks(reversed(blocks))`."""
         if self._requests.get(request.request_id) is request:
             del self._requests[request.request_id]
+        elif request.request_id in self._requests:
+            return []  # another live request owns this id (as in `free`)
         return self.coordinator.pop_blocks_for_free(request.request_id)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
