@@ -69,8 +69,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     def check_table(self, req, num_lookahead_tokens: int) -> None:
         blocks = self.manager.get_blocks(req.request_id).blocks[0]
         need = min(req.num_computed_tokens + num_lookahead_tokens, MAX_MODEL_LEN)
-        assert len(blocks) >= cdiv(req.num_computed_tokens, BLOCK_SIZE)
-        assert len(blocks) == max(cdiv(need, BLOCK_SIZE), len(blocks))
+        # Tables never shrink, so they cover at least this step's slots, and never pass
+        # max_model_len.
+        assert cdiv(need, BLOCK_SIZE) <= len(blocks) <= cdiv(MAX_MODEL_LEN, BLOCK_SIZE)
         # Every full, computed block of the request is cached under its own hash.
         num_cached = self.manager.coordinator.single_type_managers[0].num_cached_block.get(
             req.request_id, 0
