@@ -29,7 +29,7 @@ from pagedkv import (
 )
 from pagedkv.specs import cdiv
 
-NUM_BLOCKS = 24
+NUM_BLOCKS = 12
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 48
 # A few shared prefixes so lookups hit often.
