@@ -98,7 +98,9 @@ class StepRecord:
     A decode token is the single token of a request past its prompt; every other scheduled
     token is a prefill token (recomputation after preemption included).
     `num_kv_tokens_read` sums, over the batch, the context each request attends to (its
-    computed tokens plus the tokens of this step). `usage` is the pool usage after allocation;
+    computed tokens plus the tokens of this step). `num_prefill_attention_pairs` counts the
+    causal query-key pairs of the prefill tokens (a token at position p attends to p + 1
+    keys), the part of attention compute that grows with context. `usage` is the pool usage after allocation;
     `num_running` and `num_waiting` are the queue lengths after scheduling.
     """
 
@@ -108,6 +110,7 @@ class StepRecord:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_kv_tokens_read: int
+    num_prefill_attention_pairs: int
     num_admitted: int
     num_prefix_hit_tokens: int
     preempted_request_ids: tuple[str, ...]

@@ -253,7 +253,7 @@ class Scheduler:
     def _make_record(
         self, output: SchedulerOutput, num_admitted: int, num_hit_tokens: int
     ) -> StepRecord:
-        num_prefill = num_decode = num_kv_read = 0
+        num_prefill = num_decode = num_kv_read = num_pairs = 0
         for item in output.scheduled:
             num_computed = item.num_computed_tokens
             num_new = item.num_scheduled_tokens
@@ -261,6 +261,7 @@ class Scheduler:
                 num_decode += 1
             else:
                 num_prefill += num_new
+                num_pairs += num_new * num_computed + num_new * (num_new + 1) // 2
             num_kv_read += num_computed + num_new
         return StepRecord(
             step_index=output.step_index,
@@ -269,6 +270,7 @@ class Scheduler:
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,
             num_kv_tokens_read=num_kv_read,
+            num_prefill_attention_pairs=num_pairs,
             num_admitted=num_admitted,
             num_prefix_hit_tokens=num_hit_tokens,
             preempted_request_ids=tuple(output.preempted_request_ids),
@@ -359,7 +361,11 @@ class Scheduler:
         max_tokens = request.max_tokens
         num_room = self.max_model_len - request.num_tokens
         if max_tokens is not None:
-            num_room = min(num_room, max_tokens - request.num_output_tokens)
+            num_room = min(num_room, max_tokens - (request.num_tokens - request.num_prompt_tokens))
+        if len(tokens) == 1 and not stop_ids:
+            # Hot path: one token per decode step, no stop tokens configured.
+            request.append_output_token_ids(tokens[0])
+            return RequestStatus.FINISHED_LENGTH_CAPPED if num_room <= 1 else None
         status = None
         num_taken = len(tokens)
         if stop_ids:
@@ -372,9 +378,7 @@ class Scheduler:
             if status is None or num_taken > num_room:
                 status = RequestStatus.FINISHED_LENGTH_CAPPED
             num_taken = num_room
-        if num_taken == 1:
-            request.append_output_token_ids(tokens[0])  # hot path: one token per decode step
-        elif num_taken > 1:
+        if num_taken:
             request.append_output_token_ids(list(tokens[:num_taken]))
         return status
 
