@@ -74,7 +74,10 @@ def test_chunked_prefill_splits_a_long_prompt_across_steps():
     assert request.output_token_ids == [1000, 1001]
     records = scheduler.step_records
     assert [(r.num_prefill_tokens, r.num_decode_tokens) for r in records] == [
-        (8, 0), (8, 0), (4, 0), (0, 1)
+        (8, 0),
+        (8, 0),
+        (4, 0),
+        (0, 1),
     ]
     assert [r.num_kv_tokens_read for r in records] == [8, 16, 20, 21]
     # Causal pairs: chunk [16, 20) attends 17 + 18 + 19 + 20 keys.
@@ -98,7 +101,10 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
     first, _ = step(scheduler)
     second, _ = step(scheduler)
     assert batch(first) == [("a", 0, 20, [1, 2, 3, 4, 5])]
-    assert [(i.request_id, i.num_scheduled_tokens) for i in second.scheduled] == [("a", 1), ("b", 10)]
+    assert [(i.request_id, i.num_scheduled_tokens) for i in second.scheduled] == [
+        ("a", 1),
+        ("b", 10),
+    ]
 
 
 def test_preemption_by_recompute_and_readmission_with_a_prefix_hit():
@@ -186,16 +192,25 @@ def test_budget_and_max_num_seqs_hold_every_step(policy, seed):
     scheduler = Scheduler(manager, config, PriorityPolicy() if policy == "priority" else None)
     shared = list(range(8))
     for index in range(30):
-        prompt = shared[: rng.choice([0, 4, 8])] + [500 + 50 * index + i for i in range(rng.randint(1, 30))]
+        prompt = shared[: rng.choice([0, 4, 8])] + [
+            500 + 50 * index + i for i in range(rng.randint(1, 30))
+        ]
         scheduler.add_request(
-            make_request(f"r{index}", prompt, max_tokens=rng.randint(1, 12),
-                         priority=rng.randint(0, 3), arrival_time=float(index))
+            make_request(
+                f"r{index}",
+                prompt,
+                max_tokens=rng.randint(1, 12),
+                priority=rng.randint(0, 3),
+                arrival_time=float(index),
+            )
         )
     num_steps = 0
     while scheduler.has_unfinished_requests():
         output, _ = step(scheduler)
         record = scheduler.step_records[-1]
-        assert output.num_scheduled_tokens_total == sum(i.num_scheduled_tokens for i in output.scheduled)
+        assert output.num_scheduled_tokens_total == sum(
+            i.num_scheduled_tokens for i in output.scheduled
+        )
         assert 0 < output.num_scheduled_tokens_total <= 24
         assert len(output.scheduled) <= 3
         assert record.num_running <= 3
@@ -250,7 +265,9 @@ def test_async_caching_caches_blocks_only_after_the_output():
         scheduler.add_request(make_request("b", range(9), max_tokens=3))
         output = scheduler.schedule()
         # Sync: a's two full blocks are cached at allocation, so b already hits them.
-        assert [i.num_computed_tokens for i in output.scheduled] == ([0, 0] if async_caching else [0, 8])
+        assert [i.num_computed_tokens for i in output.scheduled] == (
+            [0, 0] if async_caching else [0, 8]
+        )
         assert manager.block_pool.num_cached_blocks() == (0 if async_caching else 2)
         scheduler.update_from_output(output, sampled_for(output))
         # Async: both computed the shared prefix, both copies enter the cache (first one wins
@@ -291,8 +308,11 @@ def test_stop_token_and_max_model_len_finish_requests():
     scheduler.add_request(capped)
     while scheduler.has_unfinished_requests():
         output = scheduler.schedule()
-        sampled = {i.request_id: [2000 + i.request.num_output_tokens] for i in output.scheduled
-                   if i.is_prefill_chunk_complete}
+        sampled = {
+            i.request_id: [2000 + i.request.num_output_tokens]
+            for i in output.scheduled
+            if i.is_prefill_chunk_complete
+        }
         if "stop" in sampled:
             sampled["stop"] = [1000 + stopped.num_output_tokens]
         scheduler.update_from_output(output, sampled)

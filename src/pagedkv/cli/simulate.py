@@ -22,69 +22,141 @@ _PROGRESS_DELAY_S = 1.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("input")
     choice = source.add_mutually_exclusive_group()
-    choice.add_argument("--trace", metavar="PATH",
-                        help="JSONL trace (Mooncake, token ids or lengths); default: the "
-                        "shipped Mooncake conversation sample (1,000 requests)")
-    choice.add_argument("--workload", choices=("shared-prompt", "chat", "agent"),
-                        help="a seeded synthetic workload instead of a trace")
-    source.add_argument("--num-requests", type=int, metavar="N",
-                        help="use the first N requests of the trace (workloads: generate N, "
-                        "default 400)")
-    source.add_argument("--rate", type=float, default=2.0, metavar="PER_S",
-                        help="workloads: request (or session) arrival rate (default 2)")
-    source.add_argument("--arrival", choices=("poisson", "bursty"), default="poisson",
-                        help="workloads: arrival process (default poisson)")
+    choice.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="JSONL trace (Mooncake, token ids or lengths); default: the "
+        "shipped Mooncake conversation sample (1,000 requests)",
+    )
+    choice.add_argument(
+        "--workload",
+        choices=("shared-prompt", "chat", "agent"),
+        help="a seeded synthetic workload instead of a trace",
+    )
+    source.add_argument(
+        "--num-requests",
+        type=int,
+        metavar="N",
+        help="use the first N requests of the trace (workloads: generate N, default 400)",
+    )
+    source.add_argument(
+        "--rate",
+        type=float,
+        default=2.0,
+        metavar="PER_S",
+        help="workloads: request (or session) arrival rate (default 2)",
+    )
+    source.add_argument(
+        "--arrival",
+        choices=("poisson", "bursty"),
+        default="poisson",
+        help="workloads: arrival process (default poisson)",
+    )
     source.add_argument("--seed", type=int, default=0, help="workloads: random seed (default 0)")
 
     sim = parser.add_argument_group("simulation")
-    sim.add_argument("--mode", choices=("serve", "replay"), default="serve",
-                     help="serve: time-stepped serving with the scheduler (default); replay: "
-                     "cache-capacity study, one request at a time")
+    sim.add_argument(
+        "--mode",
+        choices=("serve", "replay"),
+        default="serve",
+        help="serve: time-stepped serving with the scheduler (default); replay: "
+        "cache-capacity study, one request at a time",
+    )
     sim.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    sim.add_argument("--capacity", metavar="LIST",
-                     help="KV capacity: blocks (1000, 20k, 1M) or tokens (4Mtok); replay "
-                     "takes a comma-separated sweep and 'unlimited'; serve takes one value "
-                     "(default: what the profile's GPU memory holds)")
-    sim.add_argument("--hash-algorithm", default="sha256",
-                     choices=("sha256", "sha256_cbor", "xxh3_128"),
-                     help="prefix-cache hash (default sha256)")
+    sim.add_argument(
+        "--capacity",
+        metavar="LIST",
+        help="KV capacity: blocks (1000, 20k, 1M) or tokens (4Mtok); replay "
+        "takes a comma-separated sweep and 'unlimited'; serve takes one value "
+        "(default: what the profile's GPU memory holds)",
+    )
+    sim.add_argument(
+        "--hash-algorithm",
+        default="sha256",
+        choices=("sha256", "sha256_cbor", "xxh3_128"),
+        help="prefix-cache hash (default sha256)",
+    )
 
     serve = parser.add_argument_group("serve mode")
-    serve.add_argument("--profile", default=None, metavar="NAME",
-                       help="model/GPU cost profile (default llama3.1-8b-h100; "
-                       "--list-profiles shows all)")
-    serve.add_argument("--list-profiles", action="store_true",
-                       help="print the built-in profiles and their coefficients, then exit")
-    serve.add_argument("--cost", metavar="NAME=SECONDS,...",
-                       help="override cost coefficients: step_overhead_s, prefill_token_s, "
-                       "decode_seq_s, kv_token_read_s, prefill_attention_pair_s")
-    serve.add_argument("--time-scale", type=float, default=1.0,
-                       help="multiply arrival times (0.5 = twice the request rate; default 1)")
-    serve.add_argument("--max-model-len", type=int, metavar="TOKENS",
-                       help="longest request (default: the profile's, capped by capacity)")
-    serve.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                       help="token budget per step (default 8192)")
-    serve.add_argument("--max-num-seqs", type=int, default=256,
-                       help="requests per step (default 256)")
-    serve.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs",
-                       help="scheduling policy (default fcfs)")
-    serve.add_argument("--watermark", type=float, default=0.0,
-                       help="fraction of blocks kept free from new admissions (default 0)")
-    serve.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="TOKENS",
-                       help="cap prompt tokens per request per step (default 0: no cap)")
-    serve.add_argument("--no-chunked-prefill", action="store_true",
-                       help="schedule each prompt in one step")
-    serve.add_argument("--async-caching", action="store_true",
-                       help="cache a step's blocks only after its output arrives")
-    serve.add_argument("--no-prefix-caching", action="store_true",
-                       help="disable prefix caching")
+    serve.add_argument(
+        "--profile",
+        default=None,
+        metavar="NAME",
+        help="model/GPU cost profile (default llama3.1-8b-h100; --list-profiles shows all)",
+    )
+    serve.add_argument(
+        "--list-profiles",
+        action="store_true",
+        help="print the built-in profiles and their coefficients, then exit",
+    )
+    serve.add_argument(
+        "--cost",
+        metavar="NAME=SECONDS,...",
+        help="override cost coefficients: step_overhead_s, prefill_token_s, "
+        "decode_seq_s, kv_token_read_s, prefill_attention_pair_s",
+    )
+    serve.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply arrival times (0.5 = twice the request rate; default 1)",
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="TOKENS",
+        help="longest request (default: the profile's, capped by capacity)",
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="token budget per step (default 8192)",
+    )
+    serve.add_argument(
+        "--max-num-seqs", type=int, default=256, help="requests per step (default 256)"
+    )
+    serve.add_argument(
+        "--policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="scheduling policy (default fcfs)",
+    )
+    serve.add_argument(
+        "--watermark",
+        type=float,
+        default=0.0,
+        help="fraction of blocks kept free from new admissions (default 0)",
+    )
+    serve.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="cap prompt tokens per request per step (default 0: no cap)",
+    )
+    serve.add_argument(
+        "--no-chunked-prefill", action="store_true", help="schedule each prompt in one step"
+    )
+    serve.add_argument(
+        "--async-caching",
+        action="store_true",
+        help="cache a step's blocks only after its output arrives",
+    )
+    serve.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
 
     output = parser.add_argument_group("output")
-    output.add_argument("--json", action="store_true",
-                        help="print the report as JSON (deterministic) instead of a table")
-    output.add_argument("--plot", metavar="PNG",
-                        help="write a plot (needs matplotlib): hit rate vs capacity (replay), "
-                        "usage and queues over time (serve)")
+    output.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as JSON (deterministic) instead of a table",
+    )
+    output.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="write a plot (needs matplotlib): hit rate vs capacity (replay), "
+        "usage and queues over time (serve)",
+    )
     output.add_argument("--no-progress", action="store_true", help="never show a progress bar")
 
 
@@ -169,10 +241,11 @@ def _replay(args: argparse.Namespace, trace: Any, show_progress: bool) -> tuple:
     from pagedkv.sim import replay
     from pagedkv.sim.report import Speed, replay_report
 
+    capacities: list[int | None]
     if args.capacity:
         capacities = replay.parse_capacities(args.capacity, args.block_size)
     else:
-        capacities = replay.default_capacities(trace, args.block_size)
+        capacities = list(replay.default_capacities(trace, args.block_size))
     progress = _Progress(len(trace.requests), "replaying", show_progress)
     start = time.perf_counter()
     try:

@@ -100,8 +100,8 @@ class StepRecord:
     `num_kv_tokens_read` sums, over the batch, the context each request attends to (its
     computed tokens plus the tokens of this step). `num_prefill_attention_pairs` counts the
     causal query-key pairs of the prefill tokens (a token at position p attends to p + 1
-    keys), the part of attention compute that grows with context. `usage` is the pool usage after allocation;
-    `num_running` and `num_waiting` are the queue lengths after scheduling.
+    keys), the part of attention compute that grows with context. `usage` is the pool usage
+    after allocation; `num_running` and `num_waiting` are the queue lengths after scheduling.
     """
 
     step_index: int

@@ -95,9 +95,7 @@ class FCFSWaitingQueue:
         if not isinstance(request, Request):
             return False
         request_id = request.request_id
-        return (
-            self._front.get(request_id) is request or self._back.get(request_id) is request
-        )
+        return self._front.get(request_id) is request or self._back.get(request_id) is request
 
 
 class PriorityWaitingQueue:

@@ -45,7 +45,9 @@ class Scheduler:
         policy: SchedulingPolicy | None = None,
     ) -> None:
         if not isinstance(kv_cache_manager, KVCacheManager):
-            raise ConfigError(f"kv_cache_manager must be a KVCacheManager, got {kv_cache_manager!r}")
+            raise ConfigError(
+                f"kv_cache_manager must be a KVCacheManager, got {kv_cache_manager!r}"
+            )
         config = SchedulerConfig() if config is None else config
         if not isinstance(config, SchedulerConfig):
             raise ConfigError(f"config must be a SchedulerConfig, got {config!r}")
@@ -195,7 +197,9 @@ class Scheduler:
                 if victim is request:
                     return budget
             tables = manager.coordinator.get_blocks(request.request_id)
-            scheduled.append(ScheduledRequest(request, num_computed, num_new, tables, new_blocks.blocks))
+            scheduled.append(
+                ScheduledRequest(request, num_computed, num_new, tables, new_blocks.blocks)
+            )
             budget -= num_new
             index += 1
         return budget
@@ -295,9 +299,7 @@ class Scheduler:
             The requests finished by this step, in batch order.
         """
         if output is not self._pending:
-            raise RequestStateError(
-                f"step {output.step_index} is not the step awaiting its output"
-            )
+            raise RequestStateError(f"step {output.step_index} is not the step awaiting its output")
         live = self._validate_sampled(output, sampled_token_ids)
         manager = self.kv_cache_manager
         async_caching = self.config.async_caching and manager.enable_caching

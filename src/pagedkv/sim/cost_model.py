@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from pagedkv.errors import ConfigError
 from pagedkv.sched.output import StepRecord
@@ -32,7 +33,9 @@ class LinearCostModel:
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"cost coefficient {name} must be a finite number >= 0, got {value!r}")
+                raise ConfigError(
+                    f"cost coefficient {name} must be a finite number >= 0, got {value!r}"
+                )
 
     def step_time_s(self, record: StepRecord) -> float:
         return (
@@ -121,38 +124,76 @@ class HardwareProfile:
 
 # Datasheet peaks (dense BF16, no sparsity): H100 SXM 989.4 TFLOP/s, 3.35 TB/s, 80 GB;
 # H200 SXM 989.4 TFLOP/s, 4.8 TB/s, 141 GB; A100 SXM 80GB 312 TFLOP/s, 2.039 TB/s, 80 GB.
-_H100 = {"peak_flops_per_gpu": 989.4e12, "hbm_bytes_per_s_per_gpu": 3.35e12,
-         "memory_bytes_per_gpu": 80e9}
-_H200 = {"peak_flops_per_gpu": 989.4e12, "hbm_bytes_per_s_per_gpu": 4.8e12,
-         "memory_bytes_per_gpu": 141e9}
-_A100 = {"peak_flops_per_gpu": 312e12, "hbm_bytes_per_s_per_gpu": 2.039e12,
-         "memory_bytes_per_gpu": 80e9}
+_H100: dict[str, Any] = {
+    "peak_flops_per_gpu": 989.4e12,
+    "hbm_bytes_per_s_per_gpu": 3.35e12,
+    "memory_bytes_per_gpu": 80e9,
+}
+_H200: dict[str, Any] = {
+    "peak_flops_per_gpu": 989.4e12,
+    "hbm_bytes_per_s_per_gpu": 4.8e12,
+    "memory_bytes_per_gpu": 141e9,
+}
+_A100: dict[str, Any] = {
+    "peak_flops_per_gpu": 312e12,
+    "hbm_bytes_per_s_per_gpu": 2.039e12,
+    "memory_bytes_per_gpu": 80e9,
+}
 # Model shapes from the published configs (params, layers, attention heads, KV heads, head size).
-_LLAMA_8B = {"num_params": 8.03e9, "num_layers": 32, "num_attention_heads": 32,
-             "num_kv_heads": 8, "head_size": 128, "max_model_len": 131072}
-_LLAMA_70B = {"num_params": 70.6e9, "num_layers": 80, "num_attention_heads": 64,
-              "num_kv_heads": 8, "head_size": 128, "max_model_len": 131072}
-_QWEN_7B = {"num_params": 7.62e9, "num_layers": 28, "num_attention_heads": 28,
-            "num_kv_heads": 4, "head_size": 128, "max_model_len": 32768}
+_LLAMA_8B: dict[str, Any] = {
+    "num_params": 8.03e9,
+    "num_layers": 32,
+    "num_attention_heads": 32,
+    "num_kv_heads": 8,
+    "head_size": 128,
+    "max_model_len": 131072,
+}
+_LLAMA_70B: dict[str, Any] = {
+    "num_params": 70.6e9,
+    "num_layers": 80,
+    "num_attention_heads": 64,
+    "num_kv_heads": 8,
+    "head_size": 128,
+    "max_model_len": 131072,
+}
+_QWEN_7B: dict[str, Any] = {
+    "num_params": 7.62e9,
+    "num_layers": 28,
+    "num_attention_heads": 28,
+    "num_kv_heads": 4,
+    "head_size": 128,
+    "max_model_len": 32768,
+}
 
 PROFILES: dict[str, HardwareProfile] = {
     profile.name: profile
     for profile in (
         HardwareProfile(
-            "llama3.1-8b-h100", "Llama-3.1-8B, BF16, one H100 SXM 80GB", **_LLAMA_8B, num_gpus=1,
+            "llama3.1-8b-h100",
+            "Llama-3.1-8B, BF16, one H100 SXM 80GB",
+            **_LLAMA_8B,
+            num_gpus=1,
             **_H100,
         ),
         HardwareProfile(
-            "llama3.1-8b-h200", "Llama-3.1-8B, BF16, one H200 SXM 141GB", **_LLAMA_8B, num_gpus=1,
+            "llama3.1-8b-h200",
+            "Llama-3.1-8B, BF16, one H200 SXM 141GB",
+            **_LLAMA_8B,
+            num_gpus=1,
             **_H200,
         ),
         HardwareProfile(
             "llama3.1-70b-h100x4",
             "Llama-3.1-70B, BF16, four H100 SXM 80GB, tensor parallel (communication ignored)",
-            **_LLAMA_70B, num_gpus=4, **_H100,
+            **_LLAMA_70B,
+            num_gpus=4,
+            **_H100,
         ),
         HardwareProfile(
-            "qwen2.5-7b-a100", "Qwen2.5-7B, BF16, one A100 SXM 80GB", **_QWEN_7B, num_gpus=1,
+            "qwen2.5-7b-a100",
+            "Qwen2.5-7B, BF16, one A100 SXM 80GB",
+            **_QWEN_7B,
+            num_gpus=1,
             **_A100,
         ),
     )

@@ -16,9 +16,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as exc:
-        raise MissingDependencyError(
-            "--plot needs matplotlib: pip install 'pagedkv[sim]'"
-        ) from exc
+        raise MissingDependencyError("--plot needs matplotlib: pip install 'pagedkv[sim]'") from exc
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 

@@ -137,9 +137,7 @@ def replay(
     points = []
     for capacity in capacities_blocks:
         position = num_limited if capacity is None else next(limited)
-        points.append(
-            ReplayPoint(capacity, hits[position], num_prompt_tokens, not_fit[position])
-        )
+        points.append(ReplayPoint(capacity, hits[position], num_prompt_tokens, not_fit[position]))
     return points
 
 

@@ -94,7 +94,9 @@ def to_json(report: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- rendering
 
 
-def _rows(report: dict[str, Any], speed: Speed | None) -> tuple[str, list[str], list[list[str]], list[tuple[str, str]]]:
+def _rows(
+    report: dict[str, Any], speed: Speed | None
+) -> tuple[str, list[str], list[list[str]], list[tuple[str, str]]]:
     """Title, table header, table rows and (label, value) notes for either mode."""
     trace = report["trace"]
     title = (
@@ -129,7 +131,9 @@ def _rows(report: dict[str, Any], speed: Speed | None) -> tuple[str, list[str], 
     return title, header, rows, notes
 
 
-def _serve_rows(report: dict[str, Any], notes: list[tuple[str, str]]) -> tuple[list[str], list[list[str]]]:
+def _serve_rows(
+    report: dict[str, Any], notes: list[tuple[str, str]]
+) -> tuple[list[str], list[list[str]]]:
     config = report["config"]
     results = report["results"]
     header = ["latency", "mean", "p50", "p90", "p99", "max"]
@@ -140,7 +144,9 @@ def _serve_rows(report: dict[str, Any], notes: list[tuple[str, str]]) -> tuple[l
         ("end to end (s)", "e2e_latency_s", 1.0),
     ):
         dist = results[key]
-        rows.append([label] + [_number(dist[q] * scale) for q in ("mean", "p50", "p90", "p99", "max")])
+        rows.append(
+            [label] + [_number(dist[q] * scale) for q in ("mean", "p50", "p90", "p99", "max")]
+        )
     throughput = results["throughput"]
     cache = results["prefix_cache"]
     scheduler = config["scheduler"]
@@ -193,7 +199,9 @@ def _serve_rows(report: dict[str, Any], notes: list[tuple[str, str]]) -> tuple[l
     )
     timeline = results["timeline"]
     for label, key, unit in (
-        ("usage", "usage", "%"), ("running", "num_running", ""), ("waiting", "num_waiting", "")
+        ("usage", "usage", "%"),
+        ("running", "num_running", ""),
+        ("waiting", "num_waiting", ""),
     ):
         values = timeline[key]
         if unit == "%":
@@ -230,7 +238,9 @@ def _sparkline(values: Sequence[float], unit: str = "", width: int = 40) -> str:
     return f"{line} max {top:,.0f}{unit}"
 
 
-def render_text(report: dict[str, Any], speed: Speed | None = None, ascii_only: bool = False) -> str:
+def render_text(
+    report: dict[str, Any], speed: Speed | None = None, ascii_only: bool = False
+) -> str:
     """The report as plain text."""
     title, header, rows, notes = _rows(report, speed)
     if ascii_only:
@@ -258,7 +268,9 @@ def render_rich(report: dict[str, Any], speed: Speed | None, console: Any) -> No
     console.print(title, style="bold", highlight=False)
     table = Table()
     for index, name in enumerate(header):
-        table.add_column(name, justify="left" if index == 0 and report["mode"] == "serve" else "right")
+        table.add_column(
+            name, justify="left" if index == 0 and report["mode"] == "serve" else "right"
+        )
     for row in rows:
         table.add_row(*row)
     console.print(table)

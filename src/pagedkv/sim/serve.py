@@ -11,18 +11,28 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.errors import ConfigError, InvariantViolation
 from pagedkv.hashing import make_request_block_hasher
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request
-from pagedkv.sched import FCFSPolicy, PriorityPolicy, Scheduler, SchedulerConfig
+from pagedkv.sched import (
+    FCFSPolicy,
+    PriorityPolicy,
+    Scheduler,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
 from pagedkv.sim.cost_model import LinearCostModel
 from pagedkv.sim.traces import Trace, TraceRequest
 from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 ProgressCallback = Callable[[int], None]  # called with the number of requests done so far
-POLICIES = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}
+POLICIES: dict[str, Callable[[], SchedulingPolicy]] = {
+    "fcfs": FCFSPolicy,
+    "priority": PriorityPolicy,
+}
 
 
 @dataclass(frozen=True)
@@ -56,7 +66,7 @@ class ServeConfig:
 class ServeResult:
     """Per-request latencies, totals and the per-step time series (for plots)."""
 
-    summary: dict[str, object]
+    summary: dict[str, Any]
     step_start_s: array = field(default_factory=lambda: array("d"))
     step_usage: array = field(default_factory=lambda: array("d"))
     step_num_running: array = field(default_factory=lambda: array("l"))
@@ -100,8 +110,14 @@ def simulate_serving(
     latencies: list[float] = []
     totals = dict.fromkeys(
         (
-            "prefill_tokens", "decode_tokens", "preemptions", "completed", "rejected",
-            "output_tokens", "prompt_tokens", "steps",
+            "prefill_tokens",
+            "decode_tokens",
+            "preemptions",
+            "completed",
+            "rejected",
+            "output_tokens",
+            "prompt_tokens",
+            "steps",
         ),
         0,
     )
@@ -217,10 +233,12 @@ def simulate_serving(
         },
         "usage": {"peak": _round(peak["usage"]), "mean": _round(_rate(area["usage"], makespan_s))},
         "num_running": {
-            "peak": peak["running"], "mean": _round(_rate(area["running"], makespan_s))
+            "peak": peak["running"],
+            "mean": _round(_rate(area["running"], makespan_s)),
         },
         "num_waiting": {
-            "peak": peak["waiting"], "mean": _round(_rate(area["waiting"], makespan_s))
+            "peak": peak["waiting"],
+            "mean": _round(_rate(area["waiting"], makespan_s)),
         },
         "timeline": _timeline(result, start_s, end_s, config.num_timeline_points),
     }

@@ -110,9 +110,7 @@ class Trace:
         }
 
 
-def sort_by_arrival(
-    requests: Sequence[TraceRequest], source: str
-) -> tuple[TraceRequest, ...]:
+def sort_by_arrival(requests: Sequence[TraceRequest], source: str) -> tuple[TraceRequest, ...]:
     """Stable-sort by arrival time, warning if the input was not sorted."""
     for index in range(1, len(requests)):
         if requests[index].arrival_time_s < requests[index - 1].arrival_time_s:
@@ -175,7 +173,9 @@ class _LineParser:
             dense = len(self.id_to_dense)
             if dense >= MAX_TRACE_BLOCKS:
                 raise TraceFormatError(
-                    self.path, line_number, "hash_ids",
+                    self.path,
+                    line_number,
+                    "hash_ids",
                     f"more than {MAX_TRACE_BLOCKS} distinct blocks in one trace",
                 )
             self.id_to_dense[block_id] = dense
@@ -213,7 +213,9 @@ class _LineParser:
             runs, explicit = _merge_runs(runs), None
         else:
             raise TraceFormatError(
-                path, line_number, None,
+                path,
+                line_number,
+                None,
                 "needs 'hash_ids' (Mooncake), 'prompt_token_ids' or 'input_length'",
             )
         return TraceRequest(
@@ -238,7 +240,9 @@ class _LineParser:
         if not isinstance(value, int) or isinstance(value, bool):
             raise TraceFormatError(self.path, line_number, field, f"expected an int, got {value!r}")
         if minimum is not None and value < minimum:
-            raise TraceFormatError(self.path, line_number, field, f"must be >= {minimum}, got {value}")
+            raise TraceFormatError(
+                self.path, line_number, field, f"must be >= {minimum}, got {value}"
+            )
         return value
 
     def _timestamp(self, record: dict, line_number: int, required: bool) -> float:
@@ -254,7 +258,9 @@ class _LineParser:
             or value < 0
         ):
             raise TraceFormatError(
-                self.path, line_number, "timestamp",
+                self.path,
+                line_number,
+                "timestamp",
                 f"expected a finite number of milliseconds >= 0, got {value!r}",
             )
         return float(value)
@@ -269,7 +275,9 @@ class _LineParser:
         sizes = _block_sizes(num_tokens)
         if len(hash_ids) != len(sizes):
             raise TraceFormatError(
-                self.path, line_number, "hash_ids",
+                self.path,
+                line_number,
+                "hash_ids",
                 f"has {len(hash_ids)} ids; input_length {num_tokens} needs "
                 f"ceil({num_tokens}/{TRACE_BLOCK_TOKENS}) = {len(sizes)}",
             )
@@ -277,7 +285,9 @@ class _LineParser:
         for block_id, size in zip(hash_ids, sizes, strict=True):
             if not isinstance(block_id, int) or isinstance(block_id, bool) or block_id < 0:
                 raise TraceFormatError(
-                    self.path, line_number, "hash_ids",
+                    self.path,
+                    line_number,
+                    "hash_ids",
                     f"ids must be ints >= 0, got {block_id!r}",
                 )
             runs.append((self._dense(line_number, block_id) * TRACE_BLOCK_TOKENS, size))
@@ -290,11 +300,15 @@ class _LineParser:
                 self.path, line_number, "prompt_token_ids", "expected a non-empty list of ints"
             )
         for position, token in enumerate(tokens):
-            if not isinstance(token, int) or isinstance(token, bool) or not (
-                0 <= token <= MAX_TOKEN_ID
+            if (
+                not isinstance(token, int)
+                or isinstance(token, bool)
+                or not (0 <= token <= MAX_TOKEN_ID)
             ):
                 raise TraceFormatError(
-                    self.path, line_number, "prompt_token_ids",
+                    self.path,
+                    line_number,
+                    "prompt_token_ids",
                     f"position {position}: {token!r} is not a token id in [0, {MAX_TOKEN_ID}]",
                 )
         return tuple(tokens)

@@ -55,7 +55,9 @@ class WorkloadParams:
         for name in ("user_tokens", "output_tokens", "turns", "tool_output_tokens"):
             low, high = getattr(self, name)
             if not 1 <= low <= high:
-                raise InvalidArgumentError(f"{name} must satisfy 1 <= low <= high, got {(low, high)}")
+                raise InvalidArgumentError(
+                    f"{name} must satisfy 1 <= low <= high, got {(low, high)}"
+                )
 
 
 class _Generator:
@@ -121,7 +123,13 @@ def shared_prompt_workload(params: WorkloadParams) -> list[TraceRequest]:
         runs = [system, gen.fresh(gen.draw(params.user_tokens))]
         num_output = gen.draw(params.output_tokens)
         requests.append(
-            _request(f"shared-{index}", gen.next_arrival_s(), runs, num_output, gen.fresh_output(num_output))
+            _request(
+                f"shared-{index}",
+                gen.next_arrival_s(),
+                runs,
+                num_output,
+                gen.fresh_output(num_output),
+            )
         )
     return requests
 
@@ -141,7 +149,9 @@ def chat_workload(params: WorkloadParams) -> list[TraceRequest]:
             num_output = gen.draw(params.output_tokens)
             output_start = gen.fresh_output(num_output)
             requests.append(
-                _request(f"chat{conversation}-t{turn}", arrival_s, history, num_output, output_start)
+                _request(
+                    f"chat{conversation}-t{turn}", arrival_s, history, num_output, output_start
+                )
             )
             history.append((output_start, num_output))
             arrival_s += gen.think_time_s()
@@ -165,8 +175,11 @@ def agent_workload(params: WorkloadParams) -> list[TraceRequest]:
             requests.append(
                 _request(f"agent{agent}-s{step}", arrival_s, context, num_output, output_start)
             )
-            context = [*context, (output_start, num_output),
-                       gen.fresh(gen.draw(params.tool_output_tokens))]
+            context = [
+                *context,
+                (output_start, num_output),
+                gen.fresh(gen.draw(params.tool_output_tokens)),
+            ]
             arrival_s += gen.think_time_s()
         agent += 1
     return requests
