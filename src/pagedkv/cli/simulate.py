@@ -377,8 +377,9 @@ class _Progress:
                 self.enabled = False
                 return
             self.bar = Progress(console=Console(stderr=True), transient=True)
-            self.task = self.bar.add_task(self.label, total=self.total)
+            self.task = self.bar.add_task(self.label, total=self.total, completed=num_done)
             self.bar.start()
+            return
         self.bar.update(self.task, completed=num_done)
 
     def close(self) -> None:

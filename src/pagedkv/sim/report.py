@@ -197,6 +197,16 @@ def _serve_rows(
             ),
         ]
     )
+    served = throughput["prompt_tokens_per_s"]
+    offered = report["offered_prompt_tokens_per_s"]
+    if served > 0 and offered > 1.2 * served:
+        notes.append(
+            (
+                "load",
+                f"overloaded: prompts arrive {offered / served:.1f}x faster than they are served, "
+                "so queues grow; --time-scale slows arrivals",
+            )
+        )
     timeline = results["timeline"]
     for label, key, unit in (
         ("usage", "usage", "%"),
