@@ -41,5 +41,7 @@ def test_simulate_command_imports_only_the_standard_library():
         "print(sorted(m for m in sys.modules if m.startswith(('pagedkv.sim', 'pagedkv.sched', "
         "'rich', 'matplotlib'))))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "[]"
