@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "hashing": 2,
     "request": 3,
     "sizing": 3,
+    "model_config": 4,  # model configs -> specs (the input of sizing)
     "residency": 3,
     # the pool and what sits on it
     "block_pool": 10,
@@ -65,6 +66,7 @@ CORE = {
     "hashing",
     "request",
     "sizing",
+    "model_config",
     "residency",
     "block_pool",
     "managers",
