@@ -220,6 +220,25 @@ class KVCacheMachine(RuleBasedStateMachine):
         req.num_computed_tokens += num_new
         self.check_table(req, lookahead)
 
+    @precondition(lambda self: self.running)
+    @rule(token=st.integers(0, 5))
+    def decode_batch(self, token):
+        """One batched decode step for every running request whose prompt is done."""
+        batch = [
+            r
+            for r in self.running
+            if r.num_computed_tokens == r.num_tokens and r.num_tokens < MAX_MODEL_LEN
+        ]
+        for req in batch:
+            req.append_output_token_ids(token)
+        num_allocated, with_new_blocks = self.manager.allocate_decode_slots(batch)
+        assert set(map(id, with_new_blocks)) <= set(map(id, batch[:num_allocated]))
+        for req in batch[:num_allocated]:
+            req.num_computed_tokens += 1
+            self.check_table(req, 0)
+        # Requests from the first misfit on got no slot: their new token stays uncomputed,
+        # and a later `step` (or a preemption) deals with it.
+
     def finish_request(self, req) -> None:
         self.manager.free(req)
         self.running.remove(req)
