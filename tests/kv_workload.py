@@ -53,7 +53,9 @@ class RandomDriver:
 
     def new_request(self) -> Request:
         rng = self.rng
-        prompt = list(rng.choice(self.prefixes)) + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))]
+        prompt = list(rng.choice(self.prefixes)) + [
+            rng.randrange(1000) for _ in range(rng.randrange(1, 20))
+        ]
         self.num_requests += 1
         return Request(f"req-{self.num_requests}", prompt, block_hasher=self.hasher)
 
