@@ -136,12 +136,14 @@ def test_full_queue_drops_never_blocks_and_snapshot_resyncs():
         )
         mirror = CacheMirror()
         try:
-            for _ in range(40):  # the thread is stuck: at most 1 in flight + 2 queued survive
+            for _ in range(40):  # the thread is stuck: 2 queued (+ 1 in flight) survive
                 for _ in range(5):
                     driver.step()
                 publisher.publish(manager.take_events())
             assert publisher.dropped_batches >= 37
             encoder.release.set()
+            # The queue drained (2 or 3 batches survived): the next batch is not dropped.
+            wait_sent(publisher, 40 - publisher.dropped_batches)
             for _ in range(5):
                 driver.step()
             last = publisher.publish(manager.take_events())
@@ -210,20 +212,21 @@ def test_joiner_outside_replay_window_falls_back_to_snapshot():
 
 def test_malformed_frames_and_payloads_are_counted_and_skipped():
     context = zmq.Context.instance()
-    pub = context.socket(zmq.PUB)
+    pub = context.socket(zmq.XPUB)
     pub.bind(LOOPBACK)
     subscriber = ZmqEventSubscriber(loopback(pub.getsockopt(zmq.LAST_ENDPOINT).decode()))
     encoder = EventEncoder()
     good = encoder.encode(removed(1))
     try:
-        time.sleep(0.2)  # slow joiner: let the subscription reach the PUB socket
+        assert pub.poll(5000)  # the subscription arrived: nothing sent below is lost
+        pub.recv()
         pub.send_multipart([b"", (0).to_bytes(8, "big"), good])
+        pub.send_multipart([b"", (0).to_bytes(8, "big"), good])  # duplicate
         pub.send_multipart([b"", b"\x00\x01", good])  # short seq frame
         pub.send_multipart([b"", (1).to_bytes(8, "big")])  # two frames
         pub.send_multipart([b"", (1).to_bytes(8, "big"), b"\xc1garbage"])  # bad payload
         pub.send_multipart([b"", (2).to_bytes(8, "big"), b"\x93\x01\x02\x03"])  # not a batch
         pub.send_multipart([b"", (3).to_bytes(8, "big"), good])
-        pub.send_multipart([b"", (3).to_bytes(8, "big"), good])  # duplicate
         received = collect(subscriber, lambda r: r and r[-1].seq == 3, timeout_s=3)
     finally:
         subscriber.close()
@@ -276,11 +279,11 @@ def test_shutdown_and_startup_errors():
 
 
 def test_data_parallel_rank_offsets_inproc_and_stamps_batches():
-    with ZmqEventPublisher("inproc://dp", data_parallel_rank=2) as publisher:
+    with ZmqEventPublisher("inproc://dp", "inproc://dp-replay", data_parallel_rank=2) as publisher:
         assert publisher.endpoint == "inproc://dp_dp2"
-        subscriber = ZmqEventSubscriber("inproc://dp_dp2")
+        assert publisher.replay_endpoint == "inproc://dp-replay_dp2"
+        subscriber = ZmqEventSubscriber("inproc://dp_dp2", "inproc://dp-replay_dp2")
         try:
-            time.sleep(0.05)
             publisher.publish([BlockRemoved([9], "GPU")])
             received = collect(subscriber, lambda r: len(r) == 1)
         finally:
