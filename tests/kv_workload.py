@@ -69,11 +69,9 @@ class RandomDriver:
         elif roll < 0.9:
             self.finish(self.rng.choice(self.running))
         elif roll < 0.97:
-            # Free blocks only: evicting a held block breaks the manager's own invariant
-            # (blocks below num_cached_block stay cached).
-            free_ids = self.manager.block_pool.free_block_ids()
-            if free_ids:
-                self.manager.evict_blocks({self.rng.choice(free_ids) for _ in range(3)})
+            # Any block: free cached ones, held ones (a failed KV load), null, uncached.
+            num_blocks = self.manager.block_pool.num_gpu_blocks
+            self.manager.evict_blocks({self.rng.randrange(num_blocks) for _ in range(3)})
         else:
             if self.rng.random() < 0.5:
                 for request in list(self.running):
