@@ -183,6 +183,9 @@ def test_late_consumer_syncs_from_snapshot():
                 last = publisher.publish(manager.take_events())
             for item in collect(subscriber, lambda r: r and r[-1].seq >= last):
                 consumer.apply(item.batch.events)
+            resynced = CacheMirror()
+            resynced.apply(subscriber.sync_events())  # a router's snapshot_source
+            assert resynced.block_counts() == pool_contents(manager)
         finally:
             subscriber.close()
     assert consumer.block_counts() == pool_contents(manager)

@@ -364,6 +364,11 @@ class ZmqEventSubscriber:
             self.last_seq = snapshot.seq - 1
         return snapshot
 
+    def sync_events(self) -> list[KVCacheEvent] | None:
+        """`sync()`, returning the snapshot's events (a router's `snapshot_source`)."""
+        snapshot = self.sync()
+        return None if snapshot is None else snapshot.batch.events
+
     def close(self) -> None:
         self._sub.close(linger=0)
         if self._replay is not None:
