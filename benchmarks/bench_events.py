@@ -1,10 +1,12 @@
 """Events, routing-index and overhead benchmarks (issue 5), run by hand; prints JSON.
 
-(a) overhead: the core benchmark's shared-prefix serving loop (a system prompt + unique
-    suffixes, a pool smaller than the working set, so eviction runs), scaled down, with KV
-    events off / on (take_events every step) / on + published over ZeroMQ (inproc, a
-    subscriber elsewhere). Modes alternate; medians and minimums of --repeats runs.
-(b) wire: batches recorded from (a), encoded in each layout; published end to end.
+(a) overhead: bench_core.py's serving loop and workload shapes ("decode", "shared"). Events
+    off and on (take_events every step) run in lockstep, two managers stepping alternately
+    in one loop, so both see the same machine load (thread CPU time, paired ratios); then
+    events published over ZeroMQ (inproc, no subscriber in this process) against separate
+    off runs (caller-thread and whole-process CPU).
+(b) wire: batches recorded from (a) "shared", encoded and decoded in each layout; published
+    end to end to a subscriber in this process.
 (c) index: block-hash updates and prefix lookups per second, in memory and in Redis (a
     private redis-server on a free port, if the binary is installed).
 
@@ -43,21 +45,22 @@ BLOCK_SIZE = 16
 
 
 WORKLOADS = {
-    # The core benchmark's (b): a shared system prompt, a pool smaller than the working set
-    # (125 prefix blocks + 128 x (32 + 7) ~ 5,100 blocks in 3,500), so eviction runs.
-    "shared": {"prefix_tokens": 2000, "suffix_tokens": 500, "num_blocks": 3500},
-    # The core benchmark's (a): unique prompts, a pool that holds them all: no eviction.
-    "decode": {"prefix_tokens": 0, "suffix_tokens": 1000, "num_blocks": 12000},
-}
+    # bench_core.py's (b), same shape: a 4,000-token system prompt + 1,000-token suffixes,
+    # batch 256, 200 decode steps, 12,000 blocks: smaller than the working set, so eviction.
+    "shared": {
+        "prefix_tokens": 4000, "suffix_tokens": 1000, "num_blocks": 12000,
+        "num_requests": 1024, "batch": 256, "decode_steps": 200,
+    },
+    # bench_core.py's (a): unique 1,000-token prompts, batch 256, 200 decode steps, 20,000
+    # blocks (eviction starts once finished requests' cached blocks fill the pool).
+    "decode": {
+        "prefix_tokens": 0, "suffix_tokens": 1000, "num_blocks": 20000,
+        "num_requests": 1024, "batch": 256, "decode_steps": 200,
+    },
+}  # fmt: skip
 
 
-def serve(
-    mode: str,
-    workload: str = "shared",
-    num_requests: int = 1024,
-    batch: int = 128,
-    decode_steps: int = 100,
-) -> dict:
+def serve(mode: str, workload: str = "shared") -> dict:
     """The core benchmark's synchronous loop: decode every running request, then admit.
 
     mode: "off" | "on" (events taken every step and dropped) | "publish" (and published) |
@@ -67,6 +70,7 @@ def serve(
     time of the whole loop (with the publisher thread's encoding) and wall time.
     """
     shape = WORKLOADS[workload]
+    num_requests, batch, decode_steps = shape["num_requests"], shape["batch"], shape["decode_steps"]
     rng = random.Random(1)
     system = [rng.randrange(32000) for _ in range(shape["prefix_tokens"])]
     prompts = [
@@ -180,40 +184,168 @@ def serve(
     return out
 
 
+class _Lane:
+    """One manager of a lockstep run: the same requests, events off or on."""
+
+    def __init__(self, events: bool, workload: str, num_requests: int, decode_steps: int) -> None:
+        shape = WORKLOADS[workload]
+        rng = random.Random(1)
+        system = [rng.randrange(32000) for _ in range(shape["prefix_tokens"])]
+        hasher = make_request_block_hasher(BLOCK_SIZE)
+        self.requests = [
+            Request(
+                str(i),
+                system + [rng.randrange(32000) for _ in range(shape["suffix_tokens"])],
+                block_hasher=hasher,
+            )
+            for i in range(num_requests)
+        ]
+        spec = FullAttentionSpec(BLOCK_SIZE, 8, 128, 2)
+        config = KVCacheConfig(shape["num_blocks"], [KVCacheGroupSpec(["layer0"], spec)])
+        max_model_len = shape["prefix_tokens"] + shape["suffix_tokens"] + 2 * decode_steps
+        self.manager = KVCacheManager(
+            config, max_model_len=max_model_len, enable_kv_cache_events=events
+        )
+        self.events = events
+        self.waiting = list(range(num_requests))[::-1]
+        self.running: list[Request] = []
+        self.decoded: dict[str, int] = {}
+        self.manager_s = self.take_s = 0.0
+        self.trace: list[tuple[int, ...]] = []  # block ids handed out, to check lanes agree
+
+    def step(self, batch: int, decode_steps: int) -> None:
+        manager, running, waiting = self.manager, self.running, self.waiting
+        t0 = thread_time()
+        manager.new_step_starts()
+        index = 0
+        preempted = False
+        while index < len(running):
+            if manager.allocate_slots(running[index], 1) is not None:
+                index += 1
+                continue
+            victim = running.pop()
+            manager.free(victim)
+            victim.status = RequestStatus.PREEMPTED
+            victim.num_computed_tokens = 0
+            victim.num_preemptions += 1
+            waiting.append(int(victim.request_id))
+            preempted = True
+        scheduled = list(running)
+        admitted = []
+        while not preempted and waiting and len(running) < batch:
+            request = self.requests[waiting[-1]]
+            hit = manager.get_computed_blocks(request)
+            blocks = manager.allocate_slots(
+                request, request.num_tokens - hit.num_computed_tokens, hit.num_computed_tokens,
+                hit.blocks,
+            )  # fmt: skip
+            if blocks is None:
+                break
+            waiting.pop()
+            request.status = RequestStatus.RUNNING
+            self.decoded.setdefault(request.request_id, 0)
+            running.append(request)
+            admitted.append(request)
+        self.manager_s += thread_time() - t0
+        self.trace.append((len(running), manager.block_pool.get_num_free_blocks()))
+        for request in admitted:
+            request.num_computed_tokens = request.num_tokens
+            request.append_output_token_ids(7)
+        for request in scheduled:
+            request.num_computed_tokens += 1
+            self.decoded[request.request_id] += 1
+            request.append_output_token_ids(7)
+        keep = []
+        t0 = thread_time()
+        for request in running:
+            if self.decoded[request.request_id] >= decode_steps:
+                manager.free(request)
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            else:
+                keep.append(request)
+        self.manager_s += thread_time() - t0
+        self.running = keep
+        if self.events:
+            t0 = thread_time()
+            manager.take_events()
+            self.take_s += thread_time() - t0
+
+
+def lockstep(workload: str) -> dict:
+    """Events off and on, step by step in one loop (who goes first alternates), so both see
+    the same machine load: the paired ratio is robust on a shared machine."""
+    shape = WORKLOADS[workload]
+    num_requests, batch, decode_steps = shape["num_requests"], shape["batch"], shape["decode_steps"]
+    lanes = [_Lane(False, workload, num_requests, decode_steps),
+             _Lane(True, workload, num_requests, decode_steps)]  # fmt: skip
+    gc.collect()
+    steps = 0
+    while any(lane.waiting or lane.running for lane in lanes):
+        order = lanes if steps % 2 == 0 else lanes[::-1]
+        for lane in order:
+            lane.step(batch, decode_steps)
+        steps += 1
+    if lanes[0].trace != lanes[1].trace:
+        raise AssertionError("events changed the allocation sequence")
+    off, on = lanes
+    return {
+        "steps": steps,
+        "off_manager_seconds": off.manager_s,
+        "on_manager_seconds": on.manager_s,
+        "on_take_events_seconds": on.take_s,
+    }
+
+
 def bench_overhead(repeats: int, workload: str) -> dict:
-    """Modes alternate within one run; medians (and minimums) of `repeats` runs each."""
-    runs: dict[str, list[dict]] = {"off": [], "on": [], "publish": []}
+    """Manager path: lockstep off/on pairs (median and spread of the paired ratios).
+    Publishing: separate off and publish runs, alternating (medians)."""
+    pairs = [lockstep(workload) for _ in range(repeats)]
+    path = sorted(p["on_manager_seconds"] / p["off_manager_seconds"] for p in pairs)
+    with_take = sorted(
+        (p["on_manager_seconds"] + p["on_take_events_seconds"]) / p["off_manager_seconds"]
+        for p in pairs
+    )
+    runs: dict[str, list[dict]] = {"off": [], "publish": []}
     for _ in range(repeats):
         for mode in runs:
             result = serve(mode, workload)
             result.pop("recorded")
             runs[mode].append(result)
 
-    def stat(mode: str, *keys: str) -> tuple[float, float]:
-        values = [sum(r[k] for k in keys) for r in runs[mode]]
-        return statistics.median(values), min(values)
-
-    def ratio(mode: str, *keys: str, base: tuple[str, ...] = ("manager_seconds",)) -> dict:
-        (median, low), (base_median, base_low) = stat(mode, *keys), stat("off", *base)
-        return {"median": round(median / base_median, 4), "min": round(low / base_low, 4)}
+    def median(mode: str, *keys: str) -> float:
+        return statistics.median(sum(r[k] for k in keys) for r in runs[mode])
 
     shape = WORKLOADS[workload]
     return {
         "workload": f"{workload}: {shape['prefix_tokens']}-token shared prefix + "
-        f"{shape['suffix_tokens']}-token unique suffixes, 1,024 requests, batch 128, 100 decode "
-        f"steps, {shape['num_blocks']} blocks of {BLOCK_SIZE}",
+        f"{shape['suffix_tokens']}-token unique suffixes, {shape['num_requests']} requests, "
+        f"batch {shape['batch']}, {shape['decode_steps']} decode steps, {shape['num_blocks']} "
+        f"blocks of {BLOCK_SIZE} (bench_core.py's shape)",
         "repeats": repeats,
-        "median_seconds": {
+        "lockstep_median_seconds": {
+            key: round(statistics.median(p[key] for p in pairs), 4) for key in pairs[0]
+        },
+        "manager_path_ratio_on_vs_off": {
+            "median": round(statistics.median(path), 4),
+            "min": round(path[0], 4),
+            "max": round(path[-1], 4),
+        },
+        "with_take_events_ratio": {
+            "median": round(statistics.median(with_take), 4),
+            "min": round(with_take[0], 4),
+            "max": round(with_take[-1], 4),
+        },
+        "publish_median_seconds": {
             mode: {k: round(statistics.median(r[k] for r in rs), 4) for k in rs[0]}
             for mode, rs in runs.items()
         },
-        "manager_path_ratio_on_vs_off": ratio("on", "manager_seconds"),
-        "with_take_events_ratio": ratio("on", "manager_seconds", "take_events_seconds"),
-        "publish_caller_thread_ratio": ratio(
-            "publish", "manager_seconds", "take_events_seconds", "publish_seconds"
+        "publish_caller_thread_ratio": round(
+            median("publish", "manager_seconds", "take_events_seconds", "publish_seconds")
+            / median("off", "manager_seconds"),
+            4,
         ),
-        "publish_process_cpu_ratio_whole_loop": ratio(
-            "publish", "process_cpu_seconds", base=("process_cpu_seconds",)
+        "publish_process_cpu_ratio_whole_loop": round(
+            median("publish", "process_cpu_seconds") / median("off", "process_cpu_seconds"), 4
         ),
     }
 

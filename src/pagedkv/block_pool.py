@@ -146,6 +146,7 @@ class BlockPool:
                 duplicates = self._duplicates
                 # Events on: one BlockRemoved per removed key, as in the general method.
                 removed = self.kv_event_queue if self.enable_kv_cache_events else None
+                medium = self.medium
                 num_evicted = 0
                 for block in blocks:
                     block_hash = block.block_hash
@@ -162,7 +163,7 @@ class BlockPool:
                             block.hash_group_id = 0
                             num_evicted += 1
                             if removed is not None:
-                                removed.append(BlockRemoved([block_hash], self.medium, group_id))
+                                removed.append(BlockRemoved([block_hash], medium, group_id))
                     block.ref_cnt = 1
                 self.eviction_epoch += num_evicted
             else:
@@ -317,17 +318,21 @@ class BlockPool:
             if any(keys is not None for keys in per_block):
                 extra_keys = per_block
         lora = request.lora_request
+        # Hot path: positional arguments (the dataclass's field order) halve the cost of the
+        # keyword form; kv_cache_spec_kind and _sliding_window are filled by take_events.
         return BlockStored(
-            block_hashes=new_hashes,
-            parent_block_hash=parent,
-            token_ids=request.all_token_ids[start_token:end_token],
-            block_size=block_size,
-            lora_id=lora.adapter_id if lora is not None else None,
-            medium=self.medium,
-            lora_name=lora.name if lora is not None else None,
-            extra_keys=extra_keys,
-            group_idx=group_id,
-            session_id=request.session_id,
+            new_hashes,
+            parent,
+            request.all_token_ids[start_token:end_token],
+            block_size,
+            lora.adapter_id if lora is not None else None,
+            self.medium,
+            lora.name if lora is not None else None,
+            extra_keys,
+            group_id,
+            None,
+            None,
+            request.session_id,
         )
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
