@@ -108,7 +108,9 @@ def make_kv_cache_groups(
     head_dim = _head_dim(config)
     by_window: dict[int | None, list[str]] = {}
     for index, window in enumerate(layer_sliding_windows(model)):
-        by_window.setdefault(window if hybrid else None, []).append(f"model.layers.{index}.self_attn")
+        by_window.setdefault(window if hybrid else None, []).append(
+            f"model.layers.{index}.self_attn"
+        )
     # One group for every layer: keep the window on the spec if all layers share it.
     windows = set(layer_sliding_windows(model))
     shared_window = next(iter(windows)) if len(windows) == 1 and not hybrid else None
@@ -154,7 +156,9 @@ class ModelRunner:
             if group_id is None:
                 raise ConfigError(f"the KV-cache config has no group for layer {layer_name!r}")
             self.layer_plans.append(LayerPlan(layer_name, group_id, window))
-        self.block_sizes = tuple(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)
+        self.block_sizes = tuple(
+            g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
+        )
         self.head_dim = _head_dim(model.config)
         modeling = importlib.import_module(type(model).__module__)
         self._apply_rotary = modeling.apply_rotary_pos_emb

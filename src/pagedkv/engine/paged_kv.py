@@ -71,9 +71,7 @@ class PagedKVStore:
                 if layer_name in self.layer_to_group:
                     raise ConfigError(f"layer {layer_name!r} appears in two KV-cache groups")
                 self.layer_to_group[layer_name] = group_id
-                self.layer_to_spec[layer_name] = _check_spec(
-                    layer_name, group.kv_cache_spec, dtype
-                )
+                self.layer_to_spec[layer_name] = _check_spec(layer_name, group.kv_cache_spec, dtype)
         self.kv_caches: dict[str, torch.Tensor] = {}
         if kv_cache_config.kv_cache_tensors:
             self._allocate_shared(kv_cache_config)
@@ -135,7 +133,7 @@ class PagedKVStore:
         block_size = kv.shape[2]
         if len(block_ids) < cdiv(num_tokens, block_size):
             raise InvalidArgumentError(
-                f"{len(block_ids)} blocks cannot hold {num_tokens} tokens of block size {block_size}"
+                f"{len(block_ids)} blocks cannot hold {num_tokens} tokens (block size {block_size})"
             )
         index = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
         pages = kv.index_select(0, index)  # [num_blocks, 2, block_size, heads, dim]
