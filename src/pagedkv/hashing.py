@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import sys
 from array import array
 from collections.abc import Callable, Sequence
@@ -127,7 +128,15 @@ class BlockHasher:
     from the resolved seed, never a constant.
     """
 
-    __slots__ = ("algorithm", "block_size", "seed", "none_hash", "_digest_packed", "_is_sha256")
+    __slots__ = (
+        "algorithm",
+        "block_size",
+        "seed",
+        "none_hash",
+        "_digest_packed",
+        "_is_sha256",
+        "_block_struct",
+    )
 
     def __init__(self, algorithm: str = "sha256", block_size: int = 16, seed: str | None = None):
         if not isinstance(block_size, int) or block_size <= 0:
@@ -135,6 +144,7 @@ class BlockHasher:
         self.algorithm = canonical_algorithm(algorithm)
         self.block_size = block_size
         self.seed = resolve_root_seed(self.algorithm, seed)
+        self._block_struct = struct.Struct(f"{block_size * 4}s")
         self._digest_packed: Callable[[bytes], bytes] | None
         self._is_sha256 = self.algorithm == "sha256"
         if self.algorithm == "sha256":
@@ -178,21 +188,27 @@ class BlockHasher:
         """Hash `num_blocks` consecutive blocks of packed tokens that carry no extra keys."""
         digest = self._digest_packed
         assert digest is not None
-        step = self.block_size * 4
         parent = parent_hash if parent_hash else self.none_hash
-        hashes: list[BlockHash] = [None] * num_blocks  # type: ignore[list-item]
-        # Hot path: per block one slice, one concat and one digest; hashlib is called directly
-        # (not through a wrapper) because a Python-level call per block costs as much as SHA-256.
+        hashes: list[BlockHash] = []
+        append = hashes.append
+        # Hot path: the blocks are cut in C (struct.iter_unpack), and hashlib is called
+        # directly, not through a wrapper: a Python-level call per block costs as much as the
+        # SHA-256 itself. Only the first num_blocks blocks of `packed` are hashed.
+        num_bytes = num_blocks * self.block_size * 4
+        whole = packed if len(packed) == num_bytes else memoryview(packed)[:num_bytes]
+        chunks = self._block_struct.iter_unpack(whole)
         if self._is_sha256:
             sha256 = hashlib.sha256
-            for i in range(num_blocks):
-                parent = sha256(parent + packed[i * step : (i + 1) * step]).digest()
-                hashes[i] = parent  # type: ignore[call-overload]
+            for (chunk,) in chunks:
+                state = sha256(parent)
+                state.update(chunk)
+                parent = state.digest()
+                append(parent)
         else:
-            for i in range(num_blocks):
-                parent = digest(parent + packed[i * step : (i + 1) * step])
-                hashes[i] = parent  # type: ignore[call-overload]
-        return hashes
+            for (chunk,) in chunks:
+                parent = digest(parent + chunk)
+                append(parent)
+        return hashes  # type: ignore[return-value]
 
 
 def _cbor_dumps(obj: object) -> bytes:
@@ -284,8 +300,12 @@ class RequestBlockHasher:
     def none_hash(self) -> BlockHash:
         return self.hasher.none_hash
 
-    def __call__(self, request: Request) -> list[BlockHash]:
-        """Return the hashes of the request's newly full blocks (does not append them)."""
+    def __call__(self, request: Request, packed_tokens: bytes | None = None) -> list[BlockHash]:
+        """Return the hashes of the request's newly full blocks (does not append them).
+
+        `packed_tokens`, if given, is `pack_token_ids(request.all_token_ids)` (the request
+        packs its prompt once to validate it; hashing reuses those bytes).
+        """
         block_size = self.hash_block_size
         start_block = len(request.block_hashes)
         end_block = request.num_tokens // block_size
@@ -295,7 +315,13 @@ class RequestBlockHasher:
         tokens = request.all_token_ids
         hasher = self.hasher
         if not request.has_extra_keys and hasher._digest_packed is not None:
-            packed = pack_token_ids(tokens[start_block * block_size : end_block * block_size])
+            start_token, end_token = start_block * block_size, end_block * block_size
+            if packed_tokens is None:
+                packed = pack_token_ids(tokens[start_token:end_token])
+            elif start_token == 0:
+                packed = packed_tokens
+            else:
+                packed = packed_tokens[start_token * 4 : end_token * 4]
             return hasher.hash_packed_blocks(parent, packed, end_block - start_block)
         hashes: list[BlockHash] = []
         cursor = request.mm_hash_cursor

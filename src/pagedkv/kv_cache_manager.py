@@ -24,6 +24,7 @@ from pagedkv.errors import (
     RequestStateError,
 )
 from pagedkv.events import BlockStored, KVCacheEvent
+from pagedkv.managers import FullAttentionManager
 from pagedkv.request import Request, RequestStatus
 from pagedkv.specs import KVCacheConfig, SlidingWindowSpec
 from pagedkv.stats import PrefixCacheStats
@@ -75,6 +76,13 @@ class KVCacheBlocks:
 
     def new_empty(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in self.blocks))
+
+
+class DecodeSlots(NamedTuple):
+    """Result of `allocate_decode_slots`."""
+
+    num_allocated: int
+    requests_with_new_blocks: list[Request]
 
 
 class ComputedBlocks(NamedTuple):
@@ -175,6 +183,19 @@ class KVCacheManager:
         self._empty_hits: tuple[Sequence[KVCacheBlock], ...] = tuple(() for _ in groups)
         # Live requests (holding blocks) by id, to reject a reused id.
         self._requests: dict[str, Request] = {}
+        self._empty_computed = ComputedBlocks(self.empty_kv_cache_blocks, 0, 0)
+        # The last lookup result handed out, with the request and the pool's eviction epoch:
+        # if it comes straight back to allocate_slots unchanged, its blocks need no re-check.
+        self._last_lookup: tuple[Request | None, KVCacheBlocks | None, int] = (None, None, -1)
+        # Hot path: with one full-attention group (the common case), decode steps and lookups
+        # skip the coordinator and go straight to that group's tables and hash map.
+        managers = self.coordinator.single_type_managers
+        self._fast_manager = None
+        self._fast_hit_map = None
+        if len(managers) == 1 and type(managers[0]) is FullAttentionManager:
+            self._fast_manager = managers[0]
+            if enable_caching:
+                self._fast_hit_map = self.block_pool.hash_to_block[0]
 
     # ------------------------------------------------------------------ reading
 
@@ -200,14 +221,36 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """The longest cached prefix of the request (at most `num_tokens - 1`); changes nothing."""
-        if not self.prefix_cache_lookup_enabled(request):
-            return ComputedBlocks(self.empty_kv_cache_blocks, 0, 0)
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self._empty_computed
         # Keep at least one token to compute, so the model produces logits.
         max_cache_hit_length = request.num_tokens - 1
-        hit_blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, max_cache_hit_length
-        )
-        return ComputedBlocks(self.create_kv_cache_blocks(hit_blocks), num_hit_tokens, 0)
+        hit_map = self._fast_hit_map
+        if hit_map is not None:
+            # Hot path: one dict probe per block; chained hashes make the first miss final.
+            block_size = self._fast_manager.block_size  # type: ignore[union-attr]
+            block_hashes = request.block_hashes
+            num_probes = min(max_cache_hit_length // block_size, len(block_hashes))
+            get = hit_map.get
+            hits: list[KVCacheBlock] = []
+            for index in range(num_probes):
+                block = get(block_hashes[index])
+                if block is None:
+                    break
+                hits.append(block)
+            if not hits:
+                return self._empty_computed
+            result = KVCacheBlocks((hits,))
+            num_hit_tokens = len(hits) * block_size
+        else:
+            hit_blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+                request.block_hashes, max_cache_hit_length
+            )
+            result = self.create_kv_cache_blocks(hit_blocks)
+            if result is self.empty_kv_cache_blocks:
+                return self._empty_computed
+        self._last_lookup = (request, result, self.block_pool.eviction_epoch)
+        return ComputedBlocks(result, num_hit_tokens, 0)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
@@ -246,6 +289,23 @@ class KVCacheManager:
             The newly allocated blocks per group (the shared empty value if none), or None if
             they do not fit, in which case nothing was allocated.
         """
+        if (
+            new_computed_blocks is None
+            and self._fast_manager is not None
+            and request.status is RequestStatus.RUNNING
+            and self._requests.get(request.request_id) is request
+            and not (
+                num_new_computed_tokens
+                or num_external_computed_tokens
+                or num_lookahead_tokens
+                or reserved_blocks
+                or full_sequence_must_fit
+                or num_encoder_tokens
+            )
+            and type(num_new_tokens) is int
+            and num_new_tokens > 0
+        ):
+            return self._allocate_running(request, num_new_tokens, delay_cache_blocks)
         hits = self._validate_allocation(
             request,
             num_new_tokens,
@@ -306,6 +366,109 @@ class KVCacheManager:
             )
         return self.create_kv_cache_blocks(new_blocks)
 
+    def _allocate_running(
+        self, request: Request, num_new_tokens: int, delay_cache_blocks: bool
+    ) -> KVCacheBlocks | None:
+        """`allocate_slots` for a running request on one full-attention group.
+
+        Same result as the general path: no hits, no watermark (the request is running), no
+        window to free; only new blocks for the new tokens, then caching.
+        """
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        if total_tokens > self.max_model_len:
+            self._validate_allocation(request, num_new_tokens, 0, None, 0, 0, 0, 0)
+        manager = self._fast_manager
+        block_size = manager.block_size  # type: ignore[union-attr]
+        blocks = manager.req_to_blocks[request.request_id]  # type: ignore[union-attr]
+        num_new_blocks = -(-total_tokens // block_size) - len(blocks)
+        if num_new_blocks > 0:
+            pool = self.block_pool
+            if num_new_blocks > pool.free_block_queue.num_free_blocks:
+                return None
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+            result = KVCacheBlocks((new_blocks,))
+        else:
+            result = self.empty_kv_cache_blocks
+        if self.enable_caching and not delay_cache_blocks:
+            num_tokens = request.num_tokens
+            num_cacheable = total_tokens if total_tokens < num_tokens else num_tokens
+            if num_cacheable // block_size > manager.num_cached_block.get(  # type: ignore[union-attr]
+                request.request_id, 0
+            ):
+                manager.cache_blocks(request, num_cacheable)  # type: ignore[union-attr]
+        return result
+
+    def allocate_decode_slots(self, requests: Sequence[Request], start: int = 0) -> DecodeSlots:
+        """Give each running request in `requests[start:]` one more token slot, in order.
+
+        Stops at the first request that does not fit (nothing is allocated for it or after it);
+        the caller preempts and calls again from there, as it would with `allocate_slots`.
+        Equivalent to `allocate_slots(request, 1)` for each request, without the per-call cost.
+
+        Returns:
+            `DecodeSlots(num_allocated, requests_with_new_blocks)`: how many requests from
+            `start` got their slot, and those of them that needed a new block.
+        """
+        _check_count("start", start)
+        manager = self._fast_manager
+        num_requests = len(requests)
+        live = self._requests
+        max_model_len = self.max_model_len
+        running = RequestStatus.RUNNING
+        for index in range(start, num_requests):
+            request = requests[index]
+            if (
+                request.status is not running
+                or live.get(request.request_id) is not request
+                or request.num_computed_tokens >= max_model_len
+                or manager is None
+            ):
+                return self._allocate_decode_slots_slow(requests, start)
+        block_size = manager.block_size  # type: ignore[union-attr]
+        req_to_blocks = manager.req_to_blocks  # type: ignore[union-attr]
+        num_cached_block = manager.num_cached_block  # type: ignore[union-attr]
+        pool = self.block_pool
+        free_queue = pool.free_block_queue
+        caching = self.enable_caching
+        with_new_blocks: list[Request] = []
+        # Hot path: one request per iteration, a few attribute reads and one comparison in
+        # the common case (the current block still has room).
+        for index in range(start, num_requests):
+            request = requests[index]
+            request_id = request.request_id
+            total_tokens = request.num_computed_tokens + 1
+            blocks = req_to_blocks[request_id]
+            if total_tokens > len(blocks) * block_size:
+                if free_queue.num_free_blocks == 0:
+                    return DecodeSlots(index - start, with_new_blocks)
+                blocks.extend(pool.get_new_blocks(1))
+                with_new_blocks.append(request)
+            if caching:
+                num_tokens = request.num_tokens
+                num_cacheable = total_tokens if total_tokens < num_tokens else num_tokens
+                if num_cacheable // block_size > num_cached_block.get(request_id, 0):
+                    manager.cache_blocks(request, num_cacheable)  # type: ignore[union-attr]
+        return DecodeSlots(num_requests - start, with_new_blocks)
+
+    def _allocate_decode_slots_slow(self, requests: Sequence[Request], start: int) -> DecodeSlots:
+        """The general path (any groups), validating each request as `allocate_slots` does."""
+        for request in requests[start:]:
+            if self._requests.get(request.request_id) is not request:
+                raise RequestStateError(
+                    f"allocate_decode_slots: request {request.request_id!r} holds no blocks "
+                    "here; admit it with allocate_slots first"
+                )
+            self._validate_allocation(request, 1, 0, None, 0, 0, 0, 0)
+        with_new_blocks: list[Request] = []
+        for index in range(start, len(requests)):
+            new_blocks = self.allocate_slots(requests[index], 1)
+            if new_blocks is None:
+                return DecodeSlots(index - start, with_new_blocks)
+            if new_blocks is not self.empty_kv_cache_blocks:
+                with_new_blocks.append(requests[index])
+        return DecodeSlots(len(requests) - start, with_new_blocks)
+
     def _validate_allocation(
         self,
         request: Request,
@@ -320,12 +483,26 @@ class KVCacheManager:
         """Check every argument against the current state; return the hit lists per group."""
         if not isinstance(request, Request):
             raise InvalidTypeError(f"request must be a pagedkv Request, got {type(request).__name__}")
-        _check_count("num_new_tokens", num_new_tokens)
-        _check_count("num_new_computed_tokens", num_new_computed_tokens)
-        _check_count("num_lookahead_tokens", num_lookahead_tokens)
-        _check_count("num_external_computed_tokens", num_external_computed_tokens)
-        _check_count("num_encoder_tokens", num_encoder_tokens)
-        _check_count("reserved_blocks", reserved_blocks)
+        counts = (
+            num_new_tokens,
+            num_new_computed_tokens,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            num_encoder_tokens,
+            reserved_blocks,
+        )
+        # One pass in the common case; the named checks below only to word the error.
+        if not all(type(count) is int and count >= 0 for count in counts):
+            names = (
+                "num_new_tokens",
+                "num_new_computed_tokens",
+                "num_lookahead_tokens",
+                "num_external_computed_tokens",
+                "num_encoder_tokens",
+                "reserved_blocks",
+            )
+            for name, count in zip(names, counts, strict=True):
+                _check_count(name, count)
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
             raise InvalidArgumentError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
@@ -395,6 +572,21 @@ class KVCacheManager:
                 f"request {request_id!r} already has computed tokens; prefix-hit blocks can "
                 "only be adopted by a request that starts (or restarts after preemption)"
             )
+        looked_up_request, looked_up_blocks, epoch = self._last_lookup
+        if (
+            looked_up_blocks is new_computed_blocks
+            and looked_up_request is request
+            and epoch == self.block_pool.eviction_epoch
+        ):
+            # Hot path: our own lookup for this request, with no eviction since: every block
+            # is still cached under the request's hashes. Only the token count is checked.
+            for manager, blocks in zip(self.coordinator.single_type_managers, hits, strict=True):
+                if len(blocks) * manager.block_size < num_new_computed_tokens:
+                    raise InvalidArgumentError(
+                        f"num_new_computed_tokens={num_new_computed_tokens} but the lookup "
+                        f"found {len(blocks)} blocks of {manager.block_size} tokens"
+                    )
+            return hits
         pool_blocks = self.block_pool.blocks
         null_block = self.block_pool.null_block
         for group_id, (manager, blocks) in enumerate(

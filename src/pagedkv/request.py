@@ -32,6 +32,9 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
 
+_PREEMPTED = RequestStatus.PREEMPTED
+
+
 @dataclass(frozen=True, slots=True)
 class LoRARequest:
     """A LoRA adapter. Name *and* path enter the hash, so re-pointing a name never reuses KV."""
@@ -67,7 +70,6 @@ class Request:
 
     __slots__ = (
         "request_id",
-        "prompt_token_ids",
         "all_token_ids",
         "num_prompt_tokens",
         "num_tokens",
@@ -112,11 +114,10 @@ class Request:
         tokens = list(prompt_token_ids)
         if not tokens:
             raise InvalidArgumentError(f"request {request_id!r}: the prompt has no tokens")
-        pack_token_ids(tokens)  # validates every token id, naming the first bad one
+        packed = pack_token_ids(tokens)  # validates every token id, naming the first bad one
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
             raise InvalidArgumentError(f"request {request_id!r}: max_tokens={max_tokens!r}")
         self.request_id = request_id
-        self.prompt_token_ids = tuple(tokens)
         self.all_token_ids = tokens
         self.num_prompt_tokens = len(tokens)
         self.num_tokens = len(tokens)
@@ -148,7 +149,11 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.block_hasher = block_hasher
         if block_hasher is not None:
-            self.block_hashes.extend(block_hasher(self))
+            self.block_hashes.extend(block_hasher(self, packed))
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -163,16 +168,20 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled tokens and hash any block they complete."""
-        if self.status > RequestStatus.PREEMPTED:
+        if self.status > _PREEMPTED:
             raise RequestStateError(
                 f"request {self.request_id!r} is {self.status.name}; cannot append tokens"
             )
-        if isinstance(token_ids, int) and not isinstance(token_ids, bool):
-            # Hot path: one token per decode step.
+        if type(token_ids) is int:
+            # Hot path: one token per decode step; hash only when it completes a block.
             if not 0 <= token_ids <= MAX_TOKEN_ID:
                 raise InvalidArgumentError(f"token id {token_ids} is outside [0, {MAX_TOKEN_ID}]")
             self.all_token_ids.append(token_ids)
-            self.num_tokens += 1
+            num_tokens = self.num_tokens = self.num_tokens + 1
+            hasher = self.block_hasher
+            if hasher is not None and num_tokens % hasher.hash_block_size == 0:
+                self.block_hashes.extend(hasher(self))
+            return
         else:
             if isinstance(token_ids, (str, bytes, bool)) or not isinstance(token_ids, Sequence):
                 raise InvalidTypeError(f"token_ids must be an int or a sequence of int: {token_ids!r}")
