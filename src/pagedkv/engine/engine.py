@@ -24,9 +24,15 @@ from pagedkv.engine.sampling import SamplingParams, make_generator, sample_token
 from pagedkv.errors import ConfigError, InvalidArgumentError, RequestStateError
 from pagedkv.hashing import make_request_block_hasher
 from pagedkv.kv_cache_manager import KVCacheManager
-from pagedkv.request import Request
+from pagedkv.request import Request, RequestStatus
 from pagedkv.sched import FCFSPolicy, Scheduler, SchedulerConfig
 from pagedkv.specs import KVCacheConfig
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class EngineConfig:
     attention_backend: str = "sdpa"
     hash_algorithm: str = "sha256"
     hybrid_kv_cache: bool = False
+    stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
     record_logits: bool = False
 
@@ -121,6 +128,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                stop_token_ids=config.stop_token_ids,
             ),
             policy=FCFSPolicy(),
         )
@@ -226,7 +234,7 @@ class LLMEngine:
             if request.request_id not in self._seen:
                 self._seen.add(request.request_id)
                 output.num_cached_tokens = start
-            if end == request.num_tokens:
+            if item.is_prefill_chunk_complete:
                 sample_rows.append(len(input_ids) - 1)
                 sample_requests.append(request)
         device = self.runner.device
@@ -266,19 +274,13 @@ class LLMEngine:
         for request_id, token in zip(ids, tokens, strict=True):
             self._outputs[request_id].output_token_ids.append(token)
             sampled[request_id] = [token]
-        self._maybe_stop(sampled)
         return sampled
 
-    def _maybe_stop(self, sampled: dict[str, list[int]]) -> None:
-        """Remember requests that sampled a stop token (finished after the update)."""
-        for request_id, tokens in sampled.items():
-            if tokens[-1] in self._params[request_id].stop_token_ids:
-                self._outputs[request_id].finish_reason = "stop"
-
     def _finish(self, request: Request) -> RequestOutput:
-        output = self._outputs[request.request_id]
-        if output.finish_reason is None:
-            output.finish_reason = "length"
+        request_id = request.request_id
+        del self._params[request_id], self._generators[request_id], self._requests[request_id]
+        output = self._outputs[request_id]
+        output.finish_reason = _FINISH_REASONS.get(request.status, request.status.name.lower())
         return output
 
     def generate(

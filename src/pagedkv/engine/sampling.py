@@ -20,15 +20,13 @@ class SamplingParams:
 
     `temperature == 0` is greedy (argmax; `top_p` and `seed` unused). Otherwise tokens are
     drawn from `softmax(logits / temperature)` restricted to the smallest set of tokens whose
-    probability reaches `top_p`. `stop_token_ids` end the request when sampled (the stop token
-    is kept in the output).
+    probability reaches `top_p`. (Stop tokens are the scheduler's: `EngineConfig.stop_token_ids`.)
     """
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -39,7 +37,6 @@ class SamplingParams:
             raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def is_greedy(self) -> bool:
