@@ -221,3 +221,25 @@ def test_generate_cli_on_the_shipped_tiny_model(capsys):
     assert outputs[1]["num_cached_tokens"] == 4
     assert main(["generate", "--model", "tiny-llama", "--prompt", "hello world"]) == 2
     assert "is not token ids" in capsys.readouterr().err
+
+
+def test_generate_cli_on_a_checkpoint_with_a_local_tokenizer(tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(253)]
+    word_level = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    )
+    word_level.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>")
+    model = tiny_model("llama", seed=3)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    argv = ["generate", "--model", str(tmp_path), "--max-tokens", "5", "--json"]
+    assert main(argv + ["--prompt", "w1 w2 w3 w4"]) == 0
+    (output,) = json.loads(capsys.readouterr().out)["outputs"]
+    assert output["prompt_token_ids"] == [4, 5, 6, 7]
+    assert output["output_token_ids"] == hf_greedy(model, [4, 5, 6, 7], 5)
+    assert output["text"] == tokenizer.decode(output["output_token_ids"])
+    assert main(argv + ["--token-ids", "--prompt", "4,5,6,7"]) == 0
+    (by_ids,) = json.loads(capsys.readouterr().out)["outputs"]
+    assert by_ids["output_token_ids"] == output["output_token_ids"] and "text" not in by_ids
