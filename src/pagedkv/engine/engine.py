@@ -109,7 +109,7 @@ class LLMEngine:
         )
         num_blocks = config.num_blocks
         if num_blocks is None:
-            num_blocks = num_blocks_for_memory(groups, config.kv_cache_memory_bytes)
+            num_blocks = num_blocks_for_memory(groups, config.kv_cache_memory_bytes or 0)
         self.kv_cache_config = KVCacheConfig(num_blocks, groups)
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         self.runner = ModelRunner(
@@ -181,7 +181,7 @@ class LLMEngine:
             if seed is None:  # deterministic per engine seed and request id
                 seed = zlib.crc32(f"{self.config.seed}:{request_id}".encode())
             self._generators[request_id] = make_generator(seed, self.runner.device)
-        self._outputs[request_id] = RequestOutput(request_id, request.prompt_token_ids, [])
+        self._outputs[request_id] = RequestOutput(request_id, tuple(request.prompt_token_ids), [])
         return request_id
 
     def has_unfinished_requests(self) -> bool:

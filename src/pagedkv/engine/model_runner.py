@@ -19,7 +19,13 @@ import torch
 from pagedkv.engine.attention import AttentionMetadata, get_attention_backend
 from pagedkv.engine.paged_kv import PagedKVStore
 from pagedkv.errors import ConfigError, InvalidArgumentError
-from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from pagedkv.specs import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -63,7 +69,7 @@ def load_model(
         config = AutoConfig.for_model(model_type, **config_dict)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,7 @@ def make_kv_cache_groups(
     shared_window = next(iter(windows)) if len(windows) == 1 and not hybrid else None
     groups = []
     for window, layer_names in by_window.items():
+        spec: KVCacheSpec
         if window is None:
             spec = FullAttentionSpec(
                 block_size, num_kv_heads, head_dim, dtype_bytes, sliding_window=shared_window
