@@ -101,9 +101,16 @@ class KVCacheCoordinator:
     def allocate_new_computed_blocks(
         self, request_id: str, new_computed_blocks: BlockLists, total_computed_tokens: int
     ) -> None:
-        """Adopt hits in every group (touch all of them before any group allocates)."""
-        for manager, blocks in zip(self.single_type_managers, new_computed_blocks, strict=True):
+        """Adopt hits in every group, then pad skipped positions, in two phases.
+
+        Every group touches its hits before any group takes a block from the pool, so one
+        group's allocation can never evict another group's not yet adopted hit.
+        """
+        managers = self.single_type_managers
+        for manager, blocks in zip(managers, new_computed_blocks, strict=True):
             manager.add_local_computed_blocks(request_id, blocks, total_computed_tokens)
+        for manager in managers:
+            manager.allocate_external_computed_blocks(request_id, total_computed_tokens)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
@@ -221,6 +228,7 @@ def make_coordinator(
     enable_kv_cache_events: bool = False,
     max_in_flight_tokens: int | None = None,
     metrics_collector: BlockResidencyObserver | None = None,
+    scheduler_block_size: int | None = None,
 ) -> KVCacheCoordinator:
     """Pick the coordinator once: no caching, one group, or a hybrid of several groups."""
     args = (
@@ -239,4 +247,4 @@ def make_coordinator(
         return UnitaryKVCacheCoordinator(*args)
     from pagedkv.coordinator_hybrid import HybridKVCacheCoordinator  # sideways, on demand
 
-    return HybridKVCacheCoordinator(*args)
+    return HybridKVCacheCoordinator(*args, scheduler_block_size=scheduler_block_size)

@@ -167,6 +167,7 @@ class KVCacheManager:
             enable_kv_cache_events,
             self.max_in_flight_tokens,
             metrics_collector,
+            scheduler_block_size,
         )
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_event_metadata = tuple(
@@ -354,7 +355,7 @@ class KVCacheManager:
         if num_blocks_to_allocate + watermark_blocks > num_available:
             return None
         if hits is not self._empty_hits or num_external_computed_tokens > 0:
-            coordinator.allocate_new_computed_blocks(request_id, hits, num_local_computed)
+            coordinator.allocate_new_computed_blocks(request_id, hits, total_computed)
         new_blocks = coordinator.allocate_new_blocks(
             request_id, num_tokens_need_slot, num_encoder_tokens
         )

@@ -8,11 +8,26 @@ from __future__ import annotations
 
 from pagedkv.errors import ConfigError
 from pagedkv.managers.base import SingleTypeKVCacheManager
+from pagedkv.managers.chunked_local import ChunkedLocalAttentionManager
+from pagedkv.managers.cross_attention import CrossAttentionManager
 from pagedkv.managers.full_attention import FullAttentionManager
-from pagedkv.specs import FullAttentionSpec, KVCacheSpec
+from pagedkv.managers.mamba import MambaManager
+from pagedkv.managers.sliding_window import SlidingWindowManager
+from pagedkv.specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 
 _SPEC_TO_MANAGER: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,  # MLAAttentionSpec inherits this entry
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    MambaSpec: MambaManager,
+    CrossAttentionSpec: CrossAttentionManager,
 }
 
 
@@ -33,8 +48,12 @@ def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
 
 
 __all__ = [
+    "ChunkedLocalAttentionManager",
+    "CrossAttentionManager",
     "FullAttentionManager",
+    "MambaManager",
     "SingleTypeKVCacheManager",
+    "SlidingWindowManager",
     "manager_class_for",
     "register_manager",
 ]

@@ -7,7 +7,7 @@ may be cached and how to find a prefix hit. It draws blocks from the shared `Blo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockPool
@@ -28,9 +28,6 @@ class SingleTypeKVCacheManager:
     stand for skipped positions); `num_cached_block[r]` counts r's leading blocks already in
     the prefix cache (null padding included) and is present once r has been allocated.
     """
-
-    # Whether a request's hit in this group may be shorter than the full prefix.
-    supports_prefix_caching: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -106,6 +103,17 @@ class SingleTypeKVCacheManager:
             req_blocks.extend([self._null_block] * num_null)
         req_blocks.extend(kept)
         self.num_cached_block[request_id] = len(req_blocks)
+
+    def allocate_external_computed_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Pad the table with null blocks up to the positions no longer needed.
+
+        Phase two of admission (after every group adopted its hits): tokens loaded from outside
+        (a KV connector) that already fell out of the window need no block.
+        """
+        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        if len(req_blocks) < num_skipped_blocks:
+            req_blocks.extend([self._null_block] * (num_skipped_blocks - len(req_blocks)))
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         """Append fresh blocks so the table covers `num_tokens`; return only the new ones."""
@@ -223,8 +231,10 @@ class SingleTypeKVCacheManager:
                         f"request {request_id!r} holds block {block.block_id} with ref_cnt "
                         f"{block.ref_cnt}"
                     )
-                if self.enable_caching and index < num_cached and block.block_hash is None:
+                # Blocks past num_cached_block were allocated fresh for this request and are
+                # not cached yet. (Blocks before it may have lost their hash to evict_blocks.)
+                if index >= num_cached and block.block_hash is not None and block.ref_cnt == 1:
                     raise InvariantViolation(
-                        f"request {request_id!r}: block {block.block_id} at {index} < "
-                        f"num_cached_block {num_cached} is not cached"
+                        f"request {request_id!r}: block {block.block_id} at {index} >= "
+                        f"num_cached_block {num_cached} is cached but held only by it"
                     )
