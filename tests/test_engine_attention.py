@@ -12,7 +12,7 @@ from pagedkv.engine.attention import (  # noqa: E402
     paged_attention_reference,
     paged_attention_sdpa,
 )
-from pagedkv.engine.paged_kv import PagedKVStore, num_blocks_for_memory  # noqa: E402
+from pagedkv.engine.paged_kv import PagedKVStore  # noqa: E402
 from pagedkv.errors import ConfigError, InvalidArgumentError, InvariantViolation  # noqa: E402
 from pagedkv.specs import (  # noqa: E402
     FullAttentionSpec,
@@ -40,10 +40,6 @@ def test_store_shape_and_memory_follow_the_spec():
     assert store.kv_caches["layer0"].shape == (10, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     page_size = FullAttentionSpec(BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, 4).page_size_bytes
     assert store.memory_bytes == 2 * 10 * page_size
-    groups = (KVCacheGroupSpec(("a", "b"), FullAttentionSpec(BLOCK_SIZE, 2, 8, 4)),)
-    assert num_blocks_for_memory(groups, 2 * 7 * page_size + 5) == 7
-    with pytest.raises(ConfigError, match="at least 2"):
-        num_blocks_for_memory(groups, 2 * page_size)
 
 
 def test_store_rejects_mismatched_dtype_and_non_attention_specs():

@@ -152,6 +152,30 @@ def test_sliding_window_generation_matches_hf_generate(model_type, overrides):
         assert output.output_token_ids == hf_greedy(model, prompt, 14)
 
 
+def test_hybrid_kv_cache_frees_out_of_window_blocks_and_matches_hf_generate():
+    # Qwen2 with layer 0 full and layer 1 windowed (7 tokens): two KV-cache groups, the
+    # sliding-window manager swapping blocks behind the window for the null block.
+    model = tiny_model("qwen2", **MODELS["qwen2"])
+    rng = random.Random(8)
+    shared = random_tokens(rng, 16)
+    prompts = [shared + random_tokens(rng, 5), shared + random_tokens(rng, 3)]
+    engine = make_engine(model, hybrid_kv_cache=True)
+    assert len(engine.kv_cache_config.kv_cache_groups) == 2
+    engine.generate([prompts[0]], SamplingParams(max_tokens=12))
+    request_id = engine.add_request(prompts[1], SamplingParams(max_tokens=12))
+    window_tables = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.has_unfinished_requests():
+            window_tables.append(engine.kv_cache_manager.get_block_ids(request_id)[1])
+    engine.check_invariants()
+    # The window group's table starts with null blocks once tokens leave the window.
+    assert window_tables[-1][:4] == [0, 0, 0, 0]
+    output = engine.get_output(request_id)
+    assert output.num_cached_tokens == 16
+    assert output.output_token_ids == hf_greedy(model, prompts[1], 12)
+
+
 def test_prefix_hit_logits_match_a_cold_run():
     model = tiny_model("qwen2")
     rng = random.Random(5)

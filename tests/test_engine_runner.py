@@ -14,10 +14,15 @@ from pagedkv.engine.model_runner import (  # noqa: E402
     ModelRunner,
     layer_sliding_windows,
     load_model,
-    make_kv_cache_groups,
+    make_kv_cache_config,
 )
 from pagedkv.errors import ConfigError, InvalidArgumentError  # noqa: E402
-from pagedkv.specs import KVCacheConfig, SlidingWindowSpec  # noqa: E402
+from pagedkv.specs import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 
 pytestmark = pytest.mark.torch
 
@@ -48,26 +53,48 @@ def test_sliding_windows_follow_the_model():
     assert layer_sliding_windows(tiny_model("llama")) == [None, None]
     assert layer_sliding_windows(tiny_model("qwen2", **ARCHITECTURES["qwen2"])) == [None, 5]
     assert layer_sliding_windows(tiny_model("mistral", sliding_window=6)) == [6, 6]
-    groups = make_kv_cache_groups(
-        tiny_model("mistral", sliding_window=6), block_size=4, dtype_bytes=4
+
+
+def test_kv_cache_config_groups_and_sizes_the_layers():
+    page_size = 2 * 4 * 2 * 16 * 4  # block 4, 2 KV heads, head_dim 16, float32
+    llama = make_kv_cache_config(
+        tiny_model("llama"), block_size=4, kv_cache_memory_bytes=2 * 9 * page_size + 100
     )
-    assert len(groups) == 1 and groups[0].kv_cache_spec.sliding_window == 6
-    model = tiny_model("qwen2", **ARCHITECTURES["qwen2"])
-    hybrid = make_kv_cache_groups(model, block_size=4, dtype_bytes=4, hybrid=True)
-    assert [g.layer_names for g in hybrid] == [
+    assert llama.num_blocks == 9
+    (group,) = llama.kv_cache_groups
+    assert group.layer_names == ("model.layers.0.self_attn", "model.layers.1.self_attn")
+    assert group.kv_cache_spec.page_size_bytes == page_size
+    mistral = make_kv_cache_config(
+        tiny_model("mistral", sliding_window=6), block_size=4, num_blocks=5
+    )
+    (group,) = mistral.kv_cache_groups  # all layers windowed: one sliding-window group
+    assert isinstance(group.kv_cache_spec, SlidingWindowSpec)
+    assert group.kv_cache_spec.sliding_window == 6
+    qwen2 = tiny_model("qwen2", **ARCHITECTURES["qwen2"])
+    promoted = make_kv_cache_config(qwen2, block_size=4, num_blocks=5)
+    (group,) = promoted.kv_cache_groups  # mixed, hybrid off: managed as full attention
+    assert isinstance(group.kv_cache_spec, FullAttentionSpec)
+    hybrid = make_kv_cache_config(qwen2, block_size=4, num_blocks=5, hybrid=True)
+    assert [g.layer_names for g in hybrid.kv_cache_groups] == [
         ("model.layers.0.self_attn",),
         ("model.layers.1.self_attn",),
     ]
-    assert isinstance(hybrid[1].kv_cache_spec, SlidingWindowSpec)
-    assert hybrid[1].kv_cache_spec.sliding_window == 5
+    assert isinstance(hybrid.kv_cache_groups[1].kv_cache_spec, SlidingWindowSpec)
+    # Both groups' layers alias one tensor: a block id belongs to one group at a time.
+    (tensor,) = hybrid.kv_cache_tensors
+    assert tensor.shared_by == ("model.layers.0.self_attn", "model.layers.1.self_attn")
+    runner = ModelRunner(qwen2, hybrid)
+    assert runner.store.memory_bytes == 5 * page_size  # not 2 x: the layers share it
+    with pytest.raises(ConfigError, match="exactly one of num_blocks"):
+        make_kv_cache_config(qwen2, block_size=4)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "reference"])
 @pytest.mark.parametrize("model_type", list(ARCHITECTURES))
 def test_chunked_paged_forward_matches_transformers_logits(model_type, backend):
     model = tiny_model(model_type, **ARCHITECTURES[model_type])
-    groups = make_kv_cache_groups(model, block_size=4, dtype_bytes=4)
-    runner = ModelRunner(model, KVCacheConfig(24, groups), attention_backend=backend)
+    kv_cache_config = make_kv_cache_config(model, block_size=4, num_blocks=24)
+    runner = ModelRunner(model, kv_cache_config, attention_backend=backend)
     generator = torch.Generator().manual_seed(1)
     seq_a = torch.randint(0, 256, (13,), generator=generator)
     seq_b = torch.randint(0, 256, (6,), generator=generator)
@@ -105,11 +132,11 @@ def test_runner_rejects_unsupported_models_and_missing_layers():
     with pytest.raises(ConfigError, match="GPT2LMHeadModel is not supported"):
         ModelRunner(gpt2, KVCacheConfig(4, ()))
     model = tiny_model("llama")
-    groups = make_kv_cache_groups(model, block_size=4, dtype_bytes=4)
-    one_layer = (type(groups[0])(groups[0].layer_names[:1], groups[0].kv_cache_spec),)
+    (group,) = make_kv_cache_config(model, block_size=4, num_blocks=4).kv_cache_groups
+    one_layer = KVCacheGroupSpec(group.layer_names[:1], group.kv_cache_spec)
     with pytest.raises(ConfigError, match="model.layers.1.self_attn"):
-        ModelRunner(model, KVCacheConfig(4, one_layer))
-    runner = ModelRunner(model, KVCacheConfig(4, groups))
+        ModelRunner(model, KVCacheConfig(4, (one_layer,)))
+    runner = ModelRunner(model, KVCacheConfig(4, (group,)))
     metadata = build_attention_metadata([[1]], [0], [2], 4)
     with pytest.raises(InvalidArgumentError, match="2 metadata objects for 1"):
         runner.forward(torch.tensor([1, 2]), [metadata, metadata], torch.tensor([1]))

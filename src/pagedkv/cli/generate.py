@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--hybrid-kv-cache",
+        action="store_true",
+        help="give sliding-window layers their own KV-cache group (blocks behind the window "
+        "are freed) instead of managing a mixed model as full attention",
+    )
     parser.add_argument("--dtype", choices=_DTYPES, default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -119,6 +125,7 @@ def _run(args: argparse.Namespace) -> int:
         max_model_len=max(max_len, args.block_size),
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        hybrid_kv_cache=args.hybrid_kv_cache,
         seed=args.seed,
     )
     engine = LLMEngine(model, config)

@@ -18,15 +18,13 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv.engine.attention import build_attention_metadata
-from pagedkv.engine.model_runner import ModelRunner, make_kv_cache_groups
-from pagedkv.engine.paged_kv import num_blocks_for_memory
+from pagedkv.engine.model_runner import ModelRunner, make_kv_cache_config
 from pagedkv.engine.sampling import SamplingParams, make_generator, sample_tokens
 from pagedkv.errors import ConfigError, InvalidArgumentError, RequestStateError
 from pagedkv.hashing import make_request_block_hasher
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request, RequestStatus
 from pagedkv.sched import FCFSPolicy, Scheduler, SchedulerConfig
-from pagedkv.specs import KVCacheConfig
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -99,18 +97,13 @@ class LLMEngine:
 
     def __init__(self, model, config: EngineConfig) -> None:
         self.config = config
-        dtype = next(model.parameters()).dtype
-        dtype_bytes = torch.empty((), dtype=dtype).element_size()
-        groups = make_kv_cache_groups(
+        self.kv_cache_config = make_kv_cache_config(
             model,
             block_size=config.block_size,
-            dtype_bytes=dtype_bytes,
+            num_blocks=config.num_blocks,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             hybrid=config.hybrid_kv_cache,
         )
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            num_blocks = num_blocks_for_memory(groups, config.kv_cache_memory_bytes or 0)
-        self.kv_cache_config = KVCacheConfig(num_blocks, groups)
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         self.runner = ModelRunner(
             model, self.kv_cache_config, attention_backend=config.attention_backend
@@ -186,6 +179,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        """What the request has produced so far (complete once it finished)."""
+        output = self._outputs.get(request_id)
+        if output is None:
+            raise InvalidArgumentError(f"unknown request id {request_id!r}")
+        return output
 
     # ------------------------------------------------------------------ the loop
 

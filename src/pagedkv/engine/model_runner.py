@@ -19,13 +19,8 @@ import torch
 from pagedkv.engine.attention import AttentionMetadata, get_attention_backend
 from pagedkv.engine.paged_kv import PagedKVStore
 from pagedkv.errors import ConfigError, InvalidArgumentError
-from pagedkv.specs import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    SlidingWindowSpec,
-)
+from pagedkv.sizing import get_kv_cache_config, get_kv_cache_layout, get_num_blocks
+from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -99,38 +94,52 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def make_kv_cache_groups(
-    model, *, block_size: int, dtype_bytes: int, hybrid: bool = False
-) -> tuple[KVCacheGroupSpec, ...]:
-    """KV-cache groups for the model's layers (named `model.layers.{i}.self_attn`).
+def layer_kv_cache_specs(model, *, block_size: int, dtype_bytes: int) -> dict[str, KVCacheSpec]:
+    """One spec per decoder layer (named `model.layers.{i}.self_attn`), in model order.
 
-    By default one group of `FullAttentionSpec`s (a windowed layer keeps its window on the spec
-    for compute; its blocks are allocated as for full attention). With `hybrid=True` windowed
-    layers form their own group of `SlidingWindowSpec`s, which needs a KV-cache manager
-    registered for sliding windows.
+    A layer with a sliding window gets a `SlidingWindowSpec`, the others a `FullAttentionSpec`.
     """
     config = model.config
     num_kv_heads = config.num_key_value_heads or config.num_attention_heads
     head_dim = _head_dim(config)
-    by_window: dict[int | None, list[str]] = {}
+    layer_to_spec: dict[str, KVCacheSpec] = {}
     for index, window in enumerate(layer_sliding_windows(model)):
-        by_window.setdefault(window if hybrid else None, []).append(
-            f"model.layers.{index}.self_attn"
-        )
-    # One group for every layer: keep the window on the spec if all layers share it.
-    windows = set(layer_sliding_windows(model))
-    shared_window = next(iter(windows)) if len(windows) == 1 and not hybrid else None
-    groups = []
-    for window, layer_names in by_window.items():
-        spec: KVCacheSpec
+        name = f"model.layers.{index}.self_attn"
         if window is None:
-            spec = FullAttentionSpec(
-                block_size, num_kv_heads, head_dim, dtype_bytes, sliding_window=shared_window
-            )
+            layer_to_spec[name] = FullAttentionSpec(block_size, num_kv_heads, head_dim, dtype_bytes)
         else:
-            spec = SlidingWindowSpec(block_size, num_kv_heads, head_dim, dtype_bytes, window)
-        groups.append(KVCacheGroupSpec(tuple(layer_names), spec))
-    return tuple(groups)
+            layer_to_spec[name] = SlidingWindowSpec(
+                block_size, num_kv_heads, head_dim, dtype_bytes, window
+            )
+    return layer_to_spec
+
+
+def make_kv_cache_config(
+    model,
+    *,
+    block_size: int,
+    num_blocks: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    hybrid: bool = False,
+) -> KVCacheConfig:
+    """The model's `KVCacheConfig`, grouped and sized by `pagedkv.sizing`.
+
+    Give `num_blocks`, or `kv_cache_memory_bytes` to fit as many blocks as the budget holds.
+    With `hybrid=False` a model mixing full and sliding-window layers is managed as full
+    attention (the window stays on the spec; compute still applies it); a model whose layers
+    are all windowed keeps its sliding-window manager either way, as in the reference.
+    """
+    if (num_blocks is None) == (kv_cache_memory_bytes is None):
+        raise ConfigError(
+            f"give exactly one of num_blocks ({num_blocks!r}) and "
+            f"kv_cache_memory_bytes ({kv_cache_memory_bytes!r})"
+        )
+    dtype_bytes = next(model.parameters()).element_size()
+    layer_to_spec = layer_kv_cache_specs(model, block_size=block_size, dtype_bytes=dtype_bytes)
+    layout = get_kv_cache_layout(layer_to_spec, disable_hybrid=not hybrid)
+    if num_blocks is None:
+        num_blocks = get_num_blocks(layout, kv_cache_memory_bytes or 0)
+    return get_kv_cache_config(layout, num_blocks)
 
 
 class ModelRunner:

@@ -164,23 +164,3 @@ def slot_mapping(
     block_index = torch.div(positions, block_size, rounding_mode="floor")
     block_ids = block_tables[token_to_seq, block_index]
     return block_ids * block_size + (positions - block_index * block_size)
-
-
-def num_blocks_for_memory(kv_cache_groups: Sequence, memory_bytes: int) -> int:
-    """Blocks that fit in `memory_bytes` when every layer has its own tensor (no aliasing).
-
-    Each block id has one page in every layer's tensor, so one block costs the sum of all
-    layers' page sizes.
-    """
-    if not kv_cache_groups:
-        raise ConfigError("no KV-cache groups to size")
-    bytes_per_block = sum(
-        group.kv_cache_spec.page_size_bytes * len(group.layer_names) for group in kv_cache_groups
-    )
-    num_blocks = memory_bytes // bytes_per_block
-    if num_blocks < 2:
-        raise ConfigError(
-            f"kv cache memory of {memory_bytes} bytes holds {num_blocks} blocks of "
-            f"{bytes_per_block} bytes; need at least 2 (block 0 is the null block)"
-        )
-    return num_blocks
