@@ -161,8 +161,11 @@ def time_manager(engine: LLMEngine) -> dict[str, float]:
     """Wrap the manager's methods so outermost calls add their wall time to a counter."""
     manager = engine.kv_cache_manager
     state = {"depth": 0, "seconds": 0.0}
-    for name in MANAGER_METHODS:
-        method = getattr(manager, name, None)
+    # The scheduler also reads block tables straight from the coordinator.
+    targets = [(manager, name) for name in MANAGER_METHODS]
+    targets.append((manager.coordinator, "get_blocks"))
+    for owner, name in targets:
+        method = getattr(owner, name, None)
         if method is None:
             continue
 
@@ -178,7 +181,7 @@ def time_manager(engine: LLMEngine) -> dict[str, float]:
                 state["seconds"] += perf_counter() - started
                 state["depth"] = 0
 
-        setattr(manager, name, timed)
+        setattr(owner, name, timed)
     return state
 
 
