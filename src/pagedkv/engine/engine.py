@@ -249,19 +249,14 @@ class LLMEngine:
             for group_id, block_size in enumerate(self.runner.block_sizes)
         ]
         self.stats.num_computed_tokens += len(input_ids)
-        if not sample_rows:
-            # Chunked prefill steps that complete no prompt still write KV.
-            self.runner.forward(
-                torch.tensor(input_ids, device=device),
-                metadata,
-                torch.empty(0, dtype=torch.long, device=device),
-            )
-            return {}
+        # A step of prefill chunks that complete no prompt still runs: it writes their KV.
         logits = self.runner.forward(
             torch.tensor(input_ids, device=device),
             metadata,
-            torch.tensor(sample_rows, device=device),
+            torch.tensor(sample_rows, dtype=torch.long, device=device),
         )
+        if not sample_rows:
+            return {}
         ids = [request.request_id for request in sample_requests]
         tokens = sample_tokens(
             logits, [self._params[i] for i in ids], [self._generators[i] for i in ids]
