@@ -146,12 +146,10 @@ class KVCacheMetrics:
         if prefix_cache_stats is not None:
             self.prefix_cache_queries.labels(engine).inc(prefix_cache_stats.queries)
             self.prefix_cache_hits.labels(engine).inc(prefix_cache_stats.hits)
-        if num_preemptions:
-            self.num_preemptions.labels(engine).inc(num_preemptions)
-        if num_blocks_allocated:
-            self.blocks_allocated.labels(engine).inc(num_blocks_allocated)
-        if num_blocks_evicted:
-            self.blocks_evicted.labels(engine).inc(num_blocks_evicted)
+        # Counters are touched even by a zero delta, so every engine's series exists.
+        self.num_preemptions.labels(engine).inc(num_preemptions)
+        self.blocks_allocated.labels(engine).inc(num_blocks_allocated)
+        self.blocks_evicted.labels(engine).inc(num_blocks_evicted)
         lifetime = self.block_lifetime.labels(engine)
         idle = self.block_idle_before_evict.labels(engine)
         gap = self.block_reuse_gap.labels(engine)
