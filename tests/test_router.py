@@ -44,11 +44,11 @@ def test_prefix_aware_prefers_longest_match_then_load():
     assert policy.choose(IDS, loads, {"i0": 4, "i1": 4, "i2": 1}) == "i1"
     assert policy.choose(IDS, loads, {"i0": 0, "i1": 0, "i2": 0}) == "i2"
     assert policy.choose(IDS, loads, None) == "i2"
-    guarded = PrefixAwarePolicy(balance_abs_threshold=4)
-    assert guarded.choose(IDS, loads, {"i0": 9, "i1": 0, "i2": 0}) == "i2"  # 5 - 0 > 4
-    assert guarded.choose(IDS, {"i0": 4}, {"i0": 9, "i1": 0, "i2": 0}) == "i0"
-    with pytest.raises(InvalidArgumentError, match="balance_abs_threshold"):
-        PrefixAwarePolicy(balance_abs_threshold=-1)
+    guarded = PrefixAwarePolicy(max_load_gap=2)  # candidates: load <= 0 + 2
+    assert guarded.choose(IDS, loads, {"i0": 9, "i1": 3, "i2": 1}) == "i1"
+    assert guarded.choose(IDS, {"i0": 2}, {"i0": 9, "i1": 0, "i2": 0}) == "i0"
+    with pytest.raises(InvalidArgumentError, match="max_load_gap"):
+        PrefixAwarePolicy(max_load_gap=-1)
     with pytest.raises(InvalidArgumentError, match="unknown routing policy"):
         make_policy("random")
 

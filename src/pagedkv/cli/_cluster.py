@@ -30,6 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "round-robin for one instance)",
     )
     group.add_argument(
+        "--router-max-load-gap",
+        type=_gap,
+        default=4.0,
+        metavar="N|none",
+        help="prefix-aware: only instances within N unfinished requests of the least loaded "
+        "are candidates (default 4; none: pure prefix scoring)",
+    )
+    group.add_argument(
         "--event-transport",
         choices=("inproc", "tcp"),
         default="inproc",
@@ -49,6 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="keep serving metrics S seconds after the run (default 0)",
     )
+
+
+def _gap(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 or 'none', got {text!r}")
+    return value
 
 
 def wanted(args: argparse.Namespace) -> bool:
@@ -77,7 +94,12 @@ def run(
         raise InvalidArgumentError(f"--instances must be >= 1, got {num_instances}")
     router = args.router or ("all" if num_instances > 1 else "round-robin")
     policies = ROUTERS if router == "all" else (router,)
-    config = ClusterConfig(serve_config, num_instances, args.event_transport)
+    config = ClusterConfig(
+        serve_config,
+        num_instances,
+        args.event_transport,
+        max_load_gap=args.router_max_load_gap,
+    )
     metrics = server = None
     if args.metrics_port is not None:
         from pagedkv.metrics import KVCacheMetrics, start_http_server
@@ -101,6 +123,7 @@ def run(
             **base["config"],
             "instances": num_instances,
             "event_transport": args.event_transport,
+            "router_max_load_gap": args.router_max_load_gap,
         },
         "results": summaries,
     }

@@ -63,20 +63,18 @@ class PrefixAwarePolicy:
     """The instance caching the longest prefix of the request (ties: least load, then the
     first listed).
 
-    `balance_abs_threshold`: when set and the most loaded instance carries more than this
-    much load above the least loaded one, route by load instead, so one hot prefix cannot
-    pile every request onto one instance (SGLang's router guards the same way).
+    `max_load_gap`: when set, only instances within this much load of the least loaded one
+    are candidates, so a prefix every request shares (a system prompt) cannot pile the whole
+    workload onto the instance that cached it first. None: pure prefix scoring.
     """
 
     name = "prefix-aware"
     uses_index = True
 
-    def __init__(self, balance_abs_threshold: float | None = None) -> None:
-        if balance_abs_threshold is not None and balance_abs_threshold < 0:
-            raise InvalidArgumentError(
-                f"balance_abs_threshold must be >= 0, got {balance_abs_threshold!r}"
-            )
-        self.balance_abs_threshold = balance_abs_threshold
+    def __init__(self, max_load_gap: float | None = None) -> None:
+        if max_load_gap is not None and not max_load_gap >= 0:
+            raise InvalidArgumentError(f"max_load_gap must be >= 0, got {max_load_gap!r}")
+        self.max_load_gap = max_load_gap
 
     def choose(
         self,
@@ -84,23 +82,21 @@ class PrefixAwarePolicy:
         loads: Mapping[str, float],
         match_lengths: Mapping[str, int] | None,
     ) -> str:
-        threshold = self.balance_abs_threshold
-        if match_lengths is None or (
-            threshold is not None
-            and max(loads.get(i, 0) for i in instance_ids)
-            - min(loads.get(i, 0) for i in instance_ids)
-            > threshold
-        ):
+        if match_lengths is None:
             return min(instance_ids, key=lambda i: loads.get(i, 0))
-        return min(instance_ids, key=lambda i: (-match_lengths.get(i, 0), loads.get(i, 0)))
+        candidates = instance_ids
+        if self.max_load_gap is not None:
+            limit = min(loads.get(i, 0) for i in instance_ids) + self.max_load_gap
+            candidates = [i for i in instance_ids if loads.get(i, 0) <= limit]
+        return min(candidates, key=lambda i: (-match_lengths.get(i, 0), loads.get(i, 0)))
 
 
-def make_policy(name: str) -> RoutingPolicy:
-    """Build a policy by its CLI name."""
+def make_policy(name: str, max_load_gap: float | None = None) -> RoutingPolicy:
+    """Build a policy by its CLI name (`max_load_gap` applies to prefix-aware only)."""
     if name == "round-robin":
         return RoundRobinPolicy()
     if name == "least-loaded":
         return LeastLoadedPolicy()
     if name == "prefix-aware":
-        return PrefixAwarePolicy()
+        return PrefixAwarePolicy(max_load_gap)
     raise InvalidArgumentError(f"unknown routing policy {name!r}; choose one of {POLICY_NAMES}")

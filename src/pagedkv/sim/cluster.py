@@ -17,7 +17,7 @@ from typing import Any
 
 from pagedkv.block import to_external_hash
 from pagedkv.errors import ConfigError, InvariantViolation
-from pagedkv.router import POLICY_NAMES, Router, request_block_hashes
+from pagedkv.router import POLICY_NAMES, Router, make_policy, request_block_hashes
 from pagedkv.sim.serve import ServeConfig, _distribution, _rate, _round, _ServeRun
 from pagedkv.sim.traces import Trace
 
@@ -34,6 +34,10 @@ class ClusterConfig:
     num_instances: int
     event_transport: str = "inproc"
     residency_sample_rate: float = 0.01
+    max_load_gap: float | None = 4.0
+    """prefix-aware only: candidates are within this many unfinished requests of the least
+    loaded instance (None: pure prefix scoring, which piles a shared system prompt's whole
+    workload onto one instance)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_instances, int) or self.num_instances < 1:
@@ -90,7 +94,10 @@ class _ClusterRun:
             _Instance(str(i), _ServeRun(empty, serve), config.event_transport, tag)
             for i in range(config.num_instances)
         ]
-        self.router = Router([inst.instance_id for inst in self.instances], policy)
+        self.router = Router(
+            [inst.instance_id for inst in self.instances],
+            make_policy(policy, config.max_load_gap),
+        )
         self.trace = trace
         self.serve = serve
         self.arrivals = [r.arrival_time_s * serve.time_scale for r in trace.requests]
