@@ -12,6 +12,8 @@ import time
 import warnings
 from typing import Any
 
+from pagedkv.cli import _cluster
+
 COMMAND = "simulate"
 HELP = "Simulate a request trace: prefix-cache hit rate, memory, preemptions, latency."
 
@@ -158,6 +160,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "usage and queues over time (serve)",
     )
     output.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+    _cluster.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -185,6 +188,11 @@ def _run(args: argparse.Namespace) -> int:
         raise _error("--profile and --cost apply to --mode serve only")
     trace = _load(args)
     show_progress = not (args.json or args.no_progress) and sys.stderr.isatty()
+    if _cluster.wanted(args):
+        config, profile_name = _serve_config(args, cost_model)
+        return _cluster.run(
+            args, trace, config, profile_name, lambda n, label: _Progress(n, label, show_progress)
+        )
     if args.mode == "replay":
         the_report, speed, plot = _replay(args, trace, show_progress)
     else:
@@ -266,10 +274,33 @@ def _replay(args: argparse.Namespace, trace: Any, show_progress: bool) -> tuple:
 
 
 def _serve(args: argparse.Namespace, trace: Any, cost_model: Any, show_progress: bool) -> tuple:
+    from pagedkv.sim.report import Speed, serve_report
+    from pagedkv.sim.serve import simulate_serving
+
+    config, profile_name = _serve_config(args, cost_model)
+    progress = _Progress(len(trace.requests), "serving", show_progress)
+    start = time.perf_counter()
+    try:
+        result = simulate_serving(trace, config, progress)
+    finally:
+        progress.close()
+    wall_s = time.perf_counter() - start
+    speed = Speed(wall_s, result.summary["tokens"]["prompt"])
+    the_report = serve_report(trace, config, profile_name, result)
+
+    def plot(path: str) -> None:
+        from pagedkv.sim.plot import plot_serve
+
+        plot_serve(the_report, result, path)
+
+    return the_report, speed, plot
+
+
+def _serve_config(args: argparse.Namespace, cost_model: Any) -> tuple[Any, str | None]:
+    """The serve-mode configuration from the arguments, and the profile name to report."""
     from pagedkv.sched import SchedulerConfig
     from pagedkv.sim.replay import parse_capacities
-    from pagedkv.sim.report import Speed, serve_report
-    from pagedkv.sim.serve import ServeConfig, simulate_serving
+    from pagedkv.sim.serve import ServeConfig
 
     profile = cost_model.get_profile(args.profile or cost_model.DEFAULT_PROFILE)
     model = profile.cost_model()
@@ -302,22 +333,7 @@ def _serve(args: argparse.Namespace, trace: Any, cost_model: Any, show_progress:
         watermark=args.watermark,
         hash_algorithm=args.hash_algorithm,
     )
-    progress = _Progress(len(trace.requests), "serving", show_progress)
-    start = time.perf_counter()
-    try:
-        result = simulate_serving(trace, config, progress)
-    finally:
-        progress.close()
-    wall_s = time.perf_counter() - start
-    speed = Speed(wall_s, result.summary["tokens"]["prompt"])
-    the_report = serve_report(trace, config, profile.name if not args.cost else None, result)
-
-    def plot(path: str) -> None:
-        from pagedkv.sim.plot import plot_serve
-
-        plot_serve(the_report, result, path)
-
-    return the_report, speed, plot
+    return config, profile.name if not args.cost else None
 
 
 def _print_table(report_module: Any, the_report: dict, speed: Any) -> None:

@@ -55,6 +55,7 @@ class ServeConfig:
     watermark: float = 0.0
     hash_algorithm: str = "sha256"
     num_timeline_points: int = 120
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -96,6 +97,7 @@ class _ServeRun:
             config.max_model_len,
             enable_caching=config.enable_prefix_caching,
             log_stats=True,
+            enable_kv_cache_events=config.enable_kv_cache_events,
             watermark=config.watermark,
         )
         self.scheduler = Scheduler(self.manager, config.scheduler, POLICIES[config.policy]())
@@ -148,16 +150,23 @@ class _ServeRun:
             if trace_request.num_prompt_tokens >= max_model_len:
                 self.totals["rejected"] += 1
                 continue
-            request = Request(
-                trace_request.request_id,
-                trace_request.prompt_token_ids(),
-                max_tokens=trace_request.num_output_tokens,
-                block_hasher=self.hasher,
-                priority=trace_request.priority,
-                arrival_time=arrival_s,
-            )
-            self.scheduler.add_request(request)
-            self.timings[request.request_id] = _Timing(trace_request, arrival_s)
+            self.add_request(self.make_request(trace_request, arrival_s), trace_request, arrival_s)
+
+    def make_request(self, trace_request: TraceRequest, arrival_s: float) -> Request:
+        """The request for `trace_request` (hashed, so a router can score it first)."""
+        return Request(
+            trace_request.request_id,
+            trace_request.prompt_token_ids(),
+            max_tokens=trace_request.num_output_tokens,
+            block_hasher=self.hasher,
+            priority=trace_request.priority,
+            arrival_time=arrival_s,
+        )
+
+    def add_request(self, request: Request, trace_request: TraceRequest, arrival_s: float) -> None:
+        """Queue a request made by `make_request` (of this run or an identically configured one)."""
+        self.scheduler.add_request(request)
+        self.timings[request.request_id] = _Timing(trace_request, arrival_s)
 
     def step(self) -> int:
         """Run one scheduler step; return how many requests it finished."""
