@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "__init__": 45,  # the package root re-exports the core
     # above the core
     "sched": 50,
+    "snapshot": 51,  # cache mirror rebuilt from events (stdlib)
     "wire": 52,
     "events_zmq": 52,
     "metrics": 54,
