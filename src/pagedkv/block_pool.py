@@ -139,11 +139,14 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         collector = self.metrics_collector
         if self.enable_caching:
-            if collector is None and not self.enable_kv_cache_events:
-                # Hot path: lazy eviction inlined for the plain case (no events, no metrics,
-                # no duplicate hashes in the group); anything else takes the general method.
+            if collector is None:
+                # Hot path: lazy eviction inlined for the common case (no metrics, no duplicate
+                # hashes in the group); anything else takes the general method.
                 hash_maps = self.hash_to_block
                 duplicates = self._duplicates
+                # Events on: one BlockRemoved per removed key, as in the general method.
+                removed = self.kv_event_queue if self.enable_kv_cache_events else None
+                medium = self.medium
                 num_evicted = 0
                 for block in blocks:
                     block_hash = block.block_hash
@@ -159,6 +162,8 @@ class BlockPool:
                             block.block_hash = None
                             block.hash_group_id = 0
                             num_evicted += 1
+                            if removed is not None:
+                                removed.append(BlockRemoved([block_hash], medium, group_id))
                     block.ref_cnt = 1
                 self.eviction_epoch += num_evicted
             else:
@@ -243,17 +248,14 @@ class BlockPool:
         setdefault = hash_map.setdefault
         null_block = self.null_block
         emit = self.enable_kv_cache_events
-        new_hashes: list[BlockHash] = []
-        new_indices: list[int] = []
-        index = num_cached_blocks
+        skipped: list[KVCacheBlock] = []
         # Hot path: zip over slices instead of indexing; one dict operation per block.
-        for block, block_hash in zip(
-            blocks[num_cached_blocks:num_full_blocks],
-            block_hashes[num_cached_blocks:num_full_blocks],
-        ):
+        new_blocks = blocks[num_cached_blocks:num_full_blocks]
+        new_block_hashes = block_hashes[num_cached_blocks:num_full_blocks]
+        for block, block_hash in zip(new_blocks, new_block_hashes, strict=False):
             if block is null_block or block.block_hash is not None:
                 # Null padding is never cached; a block is hashed at most once.
-                index += 1
+                skipped.append(block)
                 continue
             block.block_hash = block_hash
             block.hash_group_id = kv_cache_group_id
@@ -261,11 +263,26 @@ class BlockPool:
                 self._duplicates[kv_cache_group_id].setdefault(block_hash, {})[
                     block.block_id
                 ] = block
-            if emit:
-                new_hashes.append(block_hash)
-                new_indices.append(index)
-            index += 1
-        if emit and new_hashes:
+        if not emit:
+            return
+        # Events: the per-block lists are built only when blocks were skipped (rare).
+        if not skipped:
+            # A list slice is already a fresh list; a coarse view's slice too.
+            new_hashes = (
+                new_block_hashes if type(new_block_hashes) is list else list(new_block_hashes)
+            )
+            new_indices: Sequence[int] = range(num_cached_blocks, num_full_blocks)
+        else:
+            skipped_ids = {id(block) for block in skipped}
+            new_hashes = []
+            new_indices = []
+            for index, (block, block_hash) in enumerate(
+                zip(new_blocks, new_block_hashes, strict=False), num_cached_blocks
+            ):
+                if id(block) not in skipped_ids:
+                    new_hashes.append(block_hash)
+                    new_indices.append(index)
+        if new_hashes:
             self.kv_event_queue.append(
                 self._block_stored_event(
                     request, block_hashes, new_hashes, new_indices, num_cached_blocks,
@@ -278,7 +295,7 @@ class BlockPool:
         request: Request,
         block_hashes: Sequence[BlockHash],
         new_hashes: list[BlockHash],
-        new_indices: list[int],
+        new_indices: Sequence[int],
         num_cached_blocks: int,
         num_full_blocks: int,
         block_size: int,
@@ -301,17 +318,21 @@ class BlockPool:
             if any(keys is not None for keys in per_block):
                 extra_keys = per_block
         lora = request.lora_request
+        # Hot path: positional arguments (the dataclass's field order) halve the cost of the
+        # keyword form; kv_cache_spec_kind and _sliding_window are filled by take_events.
         return BlockStored(
-            block_hashes=new_hashes,
-            parent_block_hash=parent,
-            token_ids=request.all_token_ids[start_token:end_token],
-            block_size=block_size,
-            lora_id=lora.adapter_id if lora is not None else None,
-            medium=self.medium,
-            lora_name=lora.name if lora is not None else None,
-            extra_keys=extra_keys,
-            group_idx=group_id,
-            session_id=request.session_id,
+            new_hashes,
+            parent,
+            request.all_token_ids[start_token:end_token],
+            block_size,
+            lora.adapter_id if lora is not None else None,
+            self.medium,
+            lora.name if lora is not None else None,
+            extra_keys,
+            group_id,
+            None,
+            None,
+            request.session_id,
         )
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
@@ -376,8 +397,11 @@ class BlockPool:
                 "Failed to reset the prefix cache: %d blocks are still held by requests", num_used
             )
             return False
-        self.hash_to_block = [{} for _ in range(self.num_kv_cache_groups)]
-        self._duplicates = [{} for _ in range(self.num_kv_cache_groups)]
+        # Cleared in place: the facade and managers keep references to these dicts.
+        for hash_map in self.hash_to_block:
+            hash_map.clear()
+        for duplicates in self._duplicates:
+            duplicates.clear()
         for block in self.blocks:
             block.block_hash = None
             block.hash_group_id = 0

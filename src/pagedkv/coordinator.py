@@ -4,7 +4,7 @@ and finds the prefix hit valid in every group. Chosen once by `make_coordinator`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from pagedkv.block import BlockHash, KVCacheBlock
@@ -165,10 +165,18 @@ class KVCacheCoordinator:
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         raise NotImplementedError
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, held_outside: Iterable[KVCacheBlock] = ()) -> None:
+        """Check the pool, every manager and the ref counts.
+
+        `held_outside`: blocks the caller still holds outside any block table (popped by
+        `pop_blocks_for_free` and not freed yet); each occurrence counts as one reference.
+        """
         self.block_pool.check_invariants()
         holders: dict[int, int] = {}
         null_block = self.block_pool.null_block
+        for block in held_outside:
+            if block is not null_block:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for manager in self.single_type_managers:
             manager.check_invariants()
             for blocks in manager.req_to_blocks.values():

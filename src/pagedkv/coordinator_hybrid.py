@@ -7,7 +7,7 @@ never imports this module.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import lcm
 from typing import TYPE_CHECKING
@@ -163,9 +163,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     del group_hits[group_id][num_blocks:]
         return tuple(group_hits), candidate
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, held_outside: Iterable[KVCacheBlock] = ()) -> None:
         """The base's checks, plus: the buckets cover exactly the cacheable groups, by spec."""
-        super().check_invariants()
+        super().check_invariants(held_outside)
         managers = self.single_type_managers
         bucketed = sorted(group_id for bucket in self.spec_buckets for group_id in bucket.group_ids)
         cacheable = [group_id for group_id, m in enumerate(managers) if m.enable_caching]

@@ -51,7 +51,12 @@ class FreeKVCacheBlockQueue:
 
     def popleft_n(self, num_blocks: int) -> list[KVCacheBlock]:
         """Unlink and return the first `num_blocks` blocks, head first."""
-        if num_blocks == 0:
+        if num_blocks <= 0:
+            if num_blocks < 0:
+                # A negative count would silently inflate num_free_blocks.
+                raise InvalidArgumentError(
+                    f"cannot pop {num_blocks} blocks: the count must be >= 0"
+                )
             return []
         if num_blocks > self.num_free_blocks:
             raise InvalidArgumentError(

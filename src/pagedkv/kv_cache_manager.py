@@ -7,7 +7,7 @@ and drives the coordinator. Knows nothing of scheduling policy.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,7 +26,7 @@ from pagedkv.errors import (
 from pagedkv.events import BlockStored, KVCacheEvent
 from pagedkv.managers import FullAttentionManager
 from pagedkv.request import Request, RequestStatus
-from pagedkv.specs import KVCacheConfig, SlidingWindowSpec
+from pagedkv.specs import KVCacheConfig, SlidingWindowSpec, cdiv
 from pagedkv.stats import PrefixCacheStats
 
 logger = logging.getLogger(__name__)
@@ -293,6 +293,7 @@ class KVCacheManager:
         if (
             new_computed_blocks is None
             and self._fast_manager is not None
+            and type(request) is Request  # anything else is validated (and refused) below
             and request.status is RequestStatus.RUNNING
             and self._requests.get(request.request_id) is request
             and not (
@@ -582,7 +583,7 @@ class KVCacheManager:
             # Hot path: our own lookup for this request, with no eviction since: every block
             # is still cached under the request's hashes. Only the token count is checked.
             for manager, blocks in zip(self.coordinator.single_type_managers, hits, strict=True):
-                if len(blocks) * manager.block_size < num_new_computed_tokens:
+                if len(blocks) != cdiv(num_new_computed_tokens, manager.block_size):
                     raise InvalidArgumentError(
                         f"num_new_computed_tokens={num_new_computed_tokens} but the lookup "
                         f"found {len(blocks)} blocks of {manager.block_size} tokens"
@@ -593,7 +594,9 @@ class KVCacheManager:
         for group_id, (manager, blocks) in enumerate(
             zip(self.coordinator.single_type_managers, hits, strict=True)
         ):
-            if len(blocks) * manager.block_size < num_new_computed_tokens:
+            # Exactly the blocks covering the hit: extra hit blocks would be counted as cached
+            # while their tokens are still to be computed (into shared blocks).
+            if len(blocks) != cdiv(num_new_computed_tokens, manager.block_size):
                 raise InvalidArgumentError(
                     f"num_new_computed_tokens={num_new_computed_tokens} but group {group_id} "
                     f"has {len(blocks)} hit blocks of {manager.block_size} tokens"
@@ -637,6 +640,8 @@ class KVCacheManager:
         `block_pool.free_blocks(reversed(blocks))`."""
         if self._requests.get(request.request_id) is request:
             del self._requests[request.request_id]
+        elif request.request_id in self._requests:
+            return []  # another live request owns this id (as in `free`)
         return self.coordinator.pop_blocks_for_free(request.request_id)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
@@ -686,13 +691,35 @@ class KVCacheManager:
                     logger.warning("KV event group %d is not in KV cache metadata", event.group_idx)
         return events
 
-    def check_invariants(self) -> None:
-        """Check the pool, every manager and the facade's request registry."""
-        self.coordinator.check_invariants()
-        for manager in self.coordinator.single_type_managers:
-            for request_id in manager.req_to_blocks:
-                if request_id not in self._requests:
+    def check_invariants(self, held_outside: Iterable[KVCacheBlock] = ()) -> None:
+        """Check the pool, every manager and the facade's request registry.
+
+        `held_outside`: blocks popped by `pop_blocks_for_free` and not freed yet (each
+        occurrence is one reference no block table accounts for).
+        """
+        self.coordinator.check_invariants(held_outside)
+        null_block = self.block_pool.null_block
+        for group_id, manager in enumerate(self.coordinator.single_type_managers):
+            for request_id, blocks in manager.req_to_blocks.items():
+                request = self._requests.get(request_id)
+                if request is None:
                     raise InvariantViolation(f"request {request_id!r} holds blocks but is unknown")
+                if not manager.enable_caching:
+                    continue
+                hashes = manager.resolve_hashes(request.block_hashes)
+                for index in range(manager.num_cached_block.get(request_id, 0)):
+                    block = blocks[index]
+                    if block is null_block or block.block_hash is None:
+                        continue  # evict_blocks may drop the entry of a held block
+                    if (
+                        index >= len(hashes)
+                        or block.block_hash != hashes[index]
+                        or block.hash_group_id != group_id
+                    ):
+                        raise InvariantViolation(
+                            f"request {request_id!r}: block {block.block_id} at position {index} "
+                            f"of group {group_id} is cached under another hash"
+                        )
         usage = self.usage
         if not 0.0 <= usage <= 1.0:
             raise InvariantViolation(f"usage {usage} outside [0, 1]")

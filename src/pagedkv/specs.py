@@ -21,8 +21,6 @@ def cdiv(numerator: int, denominator: int) -> int:
 
 def _check_positive(spec: object, **values: int | None) -> None:
     for name, value in values.items():
-        if value is None:
-            continue
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"{type(spec).__name__}: {name} must be a positive int, got {value!r}")
 
@@ -75,8 +73,9 @@ class AttentionSpec(KVCacheSpec):
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
             dtype_bytes=self.dtype_bytes,
-            page_size_padded=self.page_size_padded,
         )
+        if self.page_size_padded is not None:  # optional; required fields may not be None
+            _check_positive(self, page_size_padded=self.page_size_padded)
         if self.head_size_v is not None and self.head_size_v < 0:
             raise ConfigError(f"{type(self).__name__}: head_size_v={self.head_size_v} < 0")
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:

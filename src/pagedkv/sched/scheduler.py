@@ -1,0 +1,447 @@
+"""Scheduler layer: the reference scheduler, the caller the KV-cache manager was designed for.
+
+Waiting and running queues, a per-step token budget, chunked prefill, prefix-cache lookups on
+admission, preemption by recompute and finishing on output length. The policy (queue order,
+victim) is an injected object. Knows nothing of models, tensors or time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from pagedkv.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    InvariantViolation,
+    RequestStateError,
+)
+from pagedkv.kv_cache_manager import KVCacheManager
+from pagedkv.request import Request, RequestStatus
+from pagedkv.sched.config import SchedulerConfig
+from pagedkv.sched.output import ScheduledRequest, SchedulerOutput, StepRecord
+from pagedkv.sched.policy import FCFSPolicy, SchedulingPolicy
+
+_RUNNING = RequestStatus.RUNNING
+_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+class Scheduler:
+    """Drives one `KVCacheManager` step by step.
+
+    Usage alternates `schedule()` and `update_from_output()`; a request is sampled only in
+    the step its prompt completes and in every decode step after.
+
+    Invariants (`check_invariants`): every unfinished request is in exactly one of `running`
+    (status RUNNING, holding blocks) and `waiting` (WAITING or PREEMPTED, no computed tokens,
+    no blocks); `len(running) <= max_num_seqs`; each step schedules at most
+    `max_num_batched_tokens` tokens and at most `max_num_seqs` requests.
+    """
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        config: SchedulerConfig | None = None,
+        policy: SchedulingPolicy | None = None,
+    ) -> None:
+        if not isinstance(kv_cache_manager, KVCacheManager):
+            raise ConfigError(
+                f"kv_cache_manager must be a KVCacheManager, got {kv_cache_manager!r}"
+            )
+        config = SchedulerConfig() if config is None else config
+        if not isinstance(config, SchedulerConfig):
+            raise ConfigError(f"config must be a SchedulerConfig, got {config!r}")
+        max_model_len = config.max_model_len or kv_cache_manager.max_model_len
+        if max_model_len > kv_cache_manager.max_model_len:
+            raise ConfigError(
+                f"SchedulerConfig.max_model_len {max_model_len} exceeds the manager's "
+                f"max_model_len {kv_cache_manager.max_model_len}"
+            )
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"without chunked prefill, max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})"
+            )
+        _check_pool_holds_one_request(kv_cache_manager, max_model_len)
+        self.kv_cache_manager = kv_cache_manager
+        self.config = config
+        self.policy: SchedulingPolicy = FCFSPolicy() if policy is None else policy
+        self.max_model_len = max_model_len
+        self.waiting = self.policy.make_waiting_queue()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.step_records: list[StepRecord] = []
+        self._stop_token_ids = frozenset(config.stop_token_ids)
+        self._pending: SchedulerOutput | None = None
+        self._next_step_index = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; `request.max_tokens` is the output length to generate."""
+        if not isinstance(request, Request):
+            raise InvalidTypeError(f"expected a pagedkv Request, got {type(request).__name__}")
+        request_id = request.request_id
+        if request_id in self.requests:
+            raise RequestStateError(f"request id {request_id!r} is already scheduled")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise RequestStateError(
+                f"request {request_id!r} is {request.status.name} with "
+                f"{request.num_computed_tokens} computed tokens; add only new requests"
+            )
+        if request.num_tokens >= self.max_model_len:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: {request.num_tokens} prompt tokens leave no room for "
+                f"an output token within max_model_len {self.max_model_len}"
+            )
+        if request.max_tokens == 0:
+            raise InvalidArgumentError(f"request {request_id!r}: max_tokens must be >= 1, got 0")
+        manager = self.kv_cache_manager
+        if manager.enable_caching:
+            hasher = request.block_hasher
+            if hasher is None or hasher.hash_block_size != manager.hash_block_size:
+                raise RequestStateError(
+                    f"request {request_id!r} needs a block hasher of "
+                    f"{manager.hash_block_size}-token blocks (prefix caching is on); build it "
+                    "with block_hasher=make_request_block_hasher(...)"
+                )
+        self.waiting.add(request)
+        self.requests[request_id] = request
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish an unfinished request as aborted and free its blocks; False if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status == _RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.kv_cache_manager.free(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's batch: running requests first, then admissions (none in a step
+        that preempted). Every scheduled request holds slots for its new tokens on return."""
+        if self._pending is not None:
+            raise RequestStateError(
+                f"schedule() called before update_from_output() of step {self._pending.step_index}"
+            )
+        manager = self.kv_cache_manager
+        manager.new_step_starts()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(scheduled, preempted, budget)
+        num_admitted = num_hit_tokens = 0
+        if not preempted:
+            num_admitted, num_hit_tokens, budget = self._schedule_waiting(scheduled, budget)
+        output = SchedulerOutput(
+            self._next_step_index,
+            scheduled,
+            preempted,
+            self.config.max_num_batched_tokens - budget,
+        )
+        self.step_records.append(self._make_record(output, num_admitted, num_hit_tokens))
+        self._next_step_index += 1
+        self._pending = output
+        return output
+
+    def _schedule_running(
+        self, scheduled: list[ScheduledRequest], preempted: list[str], budget: int
+    ) -> int:
+        manager = self.kv_cache_manager
+        running = self.running
+        threshold = self.config.long_prefill_token_threshold
+        max_model_len = self.max_model_len
+        delay_cache = self.config.async_caching
+        index = 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_computed = request.num_computed_tokens
+            num_new = request.num_tokens - num_computed
+            if threshold and num_new > threshold:
+                num_new = threshold
+            num_new = min(num_new, budget, max_model_len - num_computed)
+            if num_new <= 0:
+                index += 1
+                continue
+            while True:
+                new_blocks = manager.allocate_slots(
+                    request, num_new, delay_cache_blocks=delay_cache
+                )
+                if new_blocks is not None:
+                    break
+                victim = self.policy.select_victim(running)
+                victim_index = running.index(victim)
+                del running[victim_index]
+                if victim_index < index:
+                    # Already scheduled in this step: give its tokens back.
+                    index -= 1
+                    for position, item in enumerate(scheduled):
+                        if item.request is victim:
+                            budget += item.num_scheduled_tokens
+                            del scheduled[position]
+                            break
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    return budget
+            tables = manager.coordinator.get_blocks(request.request_id)
+            scheduled.append(
+                ScheduledRequest(request, num_computed, num_new, tables, new_blocks.blocks)
+            )
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(
+        self, scheduled: list[ScheduledRequest], budget: int
+    ) -> tuple[int, int, int]:
+        manager = self.kv_cache_manager
+        config = self.config
+        waiting = self.waiting
+        running = self.running
+        threshold = config.long_prefill_token_threshold
+        num_admitted = num_hit_tokens = 0
+        while len(waiting) and budget > 0 and len(running) < config.max_num_seqs:
+            request = waiting.peek()
+            hit = manager.get_computed_blocks(request)
+            num_hit = hit.num_computed_tokens
+            num_new = request.num_tokens - num_hit
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if not config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = manager.allocate_slots(
+                request,
+                num_new,
+                num_new_computed_tokens=num_hit,
+                new_computed_blocks=hit.blocks,
+                delay_cache_blocks=config.async_caching,
+                full_sequence_must_fit=config.reserve_full_prompt,
+                has_scheduled_reqs=bool(running),
+            )
+            if new_blocks is None:
+                break
+            waiting.pop()
+            manager.record_prefix_cache_stats(request, num_hit)
+            request.status = _RUNNING
+            request.num_computed_tokens = num_hit
+            running.append(request)
+            tables = manager.coordinator.get_blocks(request.request_id)
+            scheduled.append(ScheduledRequest(request, num_hit, num_new, tables, new_blocks.blocks))
+            budget -= num_new
+            num_admitted += 1
+            num_hit_tokens += num_hit
+        return num_admitted, num_hit_tokens, budget
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: free every block; the cached prefix usually survives."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _make_record(
+        self, output: SchedulerOutput, num_admitted: int, num_hit_tokens: int
+    ) -> StepRecord:
+        num_prefill = num_decode = num_kv_read = num_pairs = 0
+        for item in output.scheduled:
+            num_computed = item.num_computed_tokens
+            num_new = item.num_scheduled_tokens
+            if num_new == 1 and num_computed >= item.request.num_prompt_tokens:
+                num_decode += 1
+            else:
+                num_prefill += num_new
+                num_pairs += num_new * num_computed + num_new * (num_new + 1) // 2
+            num_kv_read += num_computed + num_new
+        return StepRecord(
+            step_index=output.step_index,
+            scheduled_request_ids=tuple([item.request.request_id for item in output.scheduled]),
+            num_scheduled_tokens=tuple([item.num_scheduled_tokens for item in output.scheduled]),
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_decode,
+            num_kv_tokens_read=num_kv_read,
+            num_prefill_attention_pairs=num_pairs,
+            num_admitted=num_admitted,
+            num_prefix_hit_tokens=num_hit_tokens,
+            preempted_request_ids=tuple(output.preempted_request_ids),
+            usage=self.kv_cache_manager.usage,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+        )
+
+    # ------------------------------------------------------------------ outputs
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
+    ) -> list[Request]:
+        """Apply a step's results: advance computed tokens, append sampled tokens, finish and
+        free requests that reached `max_tokens`, a stop token or `max_model_len`.
+
+        `sampled_token_ids` must hold a non-empty list exactly for the scheduled requests
+        whose `is_prefill_chunk_complete` is True (aborted ones may be left out). Nothing
+        changes if it does not.
+
+        Returns:
+            The requests finished by this step, in batch order.
+        """
+        if output is not self._pending:
+            raise RequestStateError(f"step {output.step_index} is not the step awaiting its output")
+        live = self._validate_sampled(output, sampled_token_ids)
+        manager = self.kv_cache_manager
+        async_caching = self.config.async_caching and manager.enable_caching
+        finished: list[Request] = []
+        for item in live:
+            request = item.request
+            request.num_computed_tokens = item.num_computed_tokens + item.num_scheduled_tokens
+            if async_caching:
+                manager.cache_blocks(request, request.num_computed_tokens)
+            if item.is_prefill_chunk_complete:
+                status = self._append_sampled(request, sampled_token_ids[request.request_id])
+                if status is not None:
+                    request.status = status
+                    manager.free(request)
+                    del self.requests[request.request_id]
+                    finished.append(request)
+        if finished:
+            self.running[:] = [request for request in self.running if request.status == _RUNNING]
+            self.step_records[-1].finished_request_ids = tuple(
+                [request.request_id for request in finished]
+            )
+        self._pending = None
+        return finished
+
+    def _validate_sampled(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
+    ) -> list[ScheduledRequest]:
+        """Return the scheduled requests still live; raise if the sampled ids do not match."""
+        live: list[ScheduledRequest] = []
+        scheduled_ids: set[str] = set()
+        for item in output.scheduled:
+            request = item.request
+            request_id = request.request_id
+            scheduled_ids.add(request_id)
+            if self.requests.get(request_id) is not request:
+                continue  # aborted after scheduling
+            live.append(item)
+            tokens = sampled_token_ids.get(request_id)
+            if item.is_prefill_chunk_complete:
+                if not tokens or isinstance(tokens, (str, bytes)):
+                    raise InvalidArgumentError(
+                        f"step {output.step_index}: request {request_id!r} completed its "
+                        f"prompt chunk and needs sampled token ids, got {tokens!r}"
+                    )
+            elif tokens:
+                raise InvalidArgumentError(
+                    f"step {output.step_index}: request {request_id!r} is mid-prefill and "
+                    f"cannot take sampled token ids, got {tokens!r}"
+                )
+        unknown = set(sampled_token_ids) - scheduled_ids
+        if unknown:
+            raise InvalidArgumentError(
+                f"step {output.step_index}: sampled token ids for unscheduled requests "
+                f"{sorted(unknown)!r}"
+            )
+        return live
+
+    def _append_sampled(self, request: Request, tokens: Sequence[int]) -> RequestStatus | None:
+        """Append tokens up to the first stopping point; return the finished status, if any."""
+        stop_ids = self._stop_token_ids
+        max_tokens = request.max_tokens
+        num_room = self.max_model_len - request.num_tokens
+        if max_tokens is not None:
+            num_room = min(num_room, max_tokens - (request.num_tokens - request.num_prompt_tokens))
+        if len(tokens) == 1 and not stop_ids:
+            # Hot path: one token per decode step, no stop tokens configured.
+            request.append_output_token_ids(tokens[0])
+            return RequestStatus.FINISHED_LENGTH_CAPPED if num_room <= 1 else None
+        status = None
+        num_taken = len(tokens)
+        if stop_ids:
+            for position, token in enumerate(tokens):
+                if token in stop_ids:
+                    num_taken = position + 1
+                    status = RequestStatus.FINISHED_STOPPED
+                    break
+        if num_taken >= num_room:
+            if status is None or num_taken > num_room:
+                status = RequestStatus.FINISHED_LENGTH_CAPPED
+            num_taken = num_room
+        if num_taken:
+            request.append_output_token_ids(list(tokens[:num_taken]))
+        return status
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Check the queues, the last step's limits and the manager."""
+        config = self.config
+        running_ids = [request.request_id for request in self.running]
+        waiting = list(self.waiting)
+        waiting_ids = [request.request_id for request in waiting]
+        if len(set(running_ids)) != len(running_ids) or len(set(waiting_ids)) != len(waiting_ids):
+            raise InvariantViolation("a request appears twice in one queue")
+        both = set(running_ids) & set(waiting_ids)
+        if both:
+            raise InvariantViolation(f"requests {sorted(both)!r} are both running and waiting")
+        if set(running_ids) | set(waiting_ids) != set(self.requests):
+            raise InvariantViolation("the queues do not hold exactly the unfinished requests")
+        if len(self.running) > config.max_num_seqs:
+            raise InvariantViolation(
+                f"{len(self.running)} running requests exceed max_num_seqs {config.max_num_seqs}"
+            )
+        manager = self.kv_cache_manager
+        for request in self.running:
+            if request.status != _RUNNING:
+                raise InvariantViolation(f"running request {request!r} has status {request.status}")
+            if not any(manager.get_block_ids(request.request_id)):
+                raise InvariantViolation(f"running request {request.request_id!r} holds no blocks")
+            if not 0 <= request.num_computed_tokens <= request.num_tokens:
+                raise InvariantViolation(f"{request!r}: computed tokens out of range")
+        for request in waiting:
+            if request.status not in _WAITING_STATES or request.num_computed_tokens:
+                raise InvariantViolation(f"waiting request {request!r} is not fresh")
+            if any(manager.get_block_ids(request.request_id)):
+                raise InvariantViolation(f"waiting request {request.request_id!r} holds blocks")
+        if self.step_records:
+            record = self.step_records[-1]
+            if record.num_scheduled_tokens_total > config.max_num_batched_tokens:
+                raise InvariantViolation(
+                    f"step {record.step_index} scheduled {record.num_scheduled_tokens_total} "
+                    f"tokens > max_num_batched_tokens {config.max_num_batched_tokens}"
+                )
+            if len(record.scheduled_request_ids) > config.max_num_seqs:
+                raise InvariantViolation(f"step {record.step_index} exceeds max_num_seqs")
+        manager.check_invariants()
+
+
+def _check_pool_holds_one_request(manager: KVCacheManager, max_model_len: int) -> None:
+    """A request of `max_model_len` tokens must fit in an empty pool, or it could never run."""
+    num_usable_blocks = manager.kv_cache_config.num_blocks - 1
+    num_needed = manager.coordinator.get_num_blocks_to_allocate(
+        "\x00pool-capacity-probe",
+        max_model_len,
+        manager.empty_kv_cache_blocks.blocks,
+        0,
+        0,
+        apply_admission_cap=True,
+    )
+    if num_needed > num_usable_blocks:
+        raise ConfigError(
+            f"the pool's {num_usable_blocks} usable blocks cannot hold one request of "
+            f"max_model_len {max_model_len} tokens ({num_needed} blocks); lower max_model_len "
+            "or add blocks"
+        )

@@ -1,0 +1,361 @@
+"""Simulator layer: N serving instances behind a router (`pagedkv simulate --instances N`).
+
+Each instance is a real KVCacheManager and Scheduler (serve mode's run) that publishes its KV
+events over ZeroMQ; the router's prefix index is fed only by what its subscribers receive.
+One simulated clock: arrivals and instance steps are processed in time order, and a step's
+events become visible to the router when the step ends. pyzmq and msgspec (extra `[events]`)
+are imported when a run starts.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pagedkv.block import to_external_hash
+from pagedkv.errors import ConfigError, InvariantViolation
+from pagedkv.router import POLICY_NAMES, Router, make_policy, request_block_hashes
+from pagedkv.sim.serve import ServeConfig, _distribution, _rate, _round, _ServeRun
+from pagedkv.sim.traces import Trace
+
+ProgressCallback = Callable[[int], None]
+EVENT_TRANSPORTS = ("inproc", "tcp")
+_BARRIER_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """`serve` configures every instance alike (its `num_blocks` is per instance)."""
+
+    serve: ServeConfig
+    num_instances: int
+    event_transport: str = "inproc"
+    residency_sample_rate: float = 0.01
+    max_load_gap: float | None = 4.0
+    """prefix-aware only: candidates are within this many unfinished requests of the least
+    loaded instance (None: pure prefix scoring, which piles a shared system prompt's whole
+    workload onto one instance)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_instances, int) or self.num_instances < 1:
+            raise ConfigError(f"num_instances must be an int >= 1, got {self.num_instances!r}")
+        if self.event_transport not in EVENT_TRANSPORTS:
+            raise ConfigError(
+                f"event_transport must be one of {EVENT_TRANSPORTS}, got {self.event_transport!r}"
+            )
+
+
+class _Instance:
+    """One serving instance: its run, its publisher, and the router's subscriber to it."""
+
+    def __init__(self, instance_id: str, run: _ServeRun, transport: str, run_tag: str) -> None:
+        from pagedkv.events_zmq import ZmqEventPublisher, ZmqEventSubscriber
+
+        self.instance_id = instance_id
+        self.run = run
+        if transport == "inproc":
+            name = f"inproc://pagedkv-sim-{run_tag}-{instance_id}"
+            self.publisher = ZmqEventPublisher(name, name + "-replay")
+            endpoint, replay = name, name + "-replay"
+        else:
+            self.publisher = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+            endpoint, replay = self.publisher.endpoint, self.publisher.replay_endpoint
+        self.subscriber = ZmqEventSubscriber(endpoint, replay, replay_timeout_s=5.0)
+        self.pending: list[tuple[float, list]] = []  # (visible at, events) not yet published
+        self.num_dispatched = 0
+        self.busy_s = 0.0
+        self.num_events = 0
+        self.seen_preemptions = 0
+        self.seen_queries = 0
+        self.seen_hits = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.run.scheduler.has_unfinished_requests()
+
+    def close(self) -> None:
+        self.subscriber.close()
+        self.publisher.shutdown()
+
+
+class _ClusterRun:
+    """One policy over the whole trace."""
+
+    def __init__(
+        self, trace: Trace, config: ClusterConfig, policy: str, metrics: Any, engine_prefix: str
+    ) -> None:
+        serve = replace(config.serve, enable_kv_cache_events=True)
+        empty = Trace(trace.name, (), trace.source)
+        tag = uuid.uuid4().hex[:8]
+        self.instances = [
+            _Instance(str(i), _ServeRun(empty, serve), config.event_transport, tag)
+            for i in range(config.num_instances)
+        ]
+        self.router = Router(
+            [inst.instance_id for inst in self.instances],
+            make_policy(policy, config.max_load_gap),
+        )
+        self.trace = trace
+        self.serve = serve
+        self.arrivals = [r.arrival_time_s * serve.time_scale for r in trace.requests]
+        self.start_s = self.arrivals[0] if self.arrivals else 0.0
+        for inst in self.instances:
+            inst.run.now = inst.run.start_s = self.start_s
+        self.metrics = metrics
+        self.engine_prefix = engine_prefix
+        self.collectors: dict[str, Any] = {}
+        if metrics is not None:
+            self._attach_collectors(config.residency_sample_rate)
+        self.num_rejected = 0
+        self.matched_blocks: list[int] = []
+        self.hash_block_size = serve.block_size
+
+    def _attach_collectors(self, sample_rate: float) -> None:
+        from pagedkv.residency import KVCacheMetricsCollector
+
+        for inst in self.instances:
+            run = inst.run
+            # The simulated clock, so residency is in simulated seconds.
+            collector = KVCacheMetricsCollector(
+                sample_rate, clock=lambda run=run: int(run.now * 1e9)
+            )
+            # The pool reads its collector on every call, so attaching it now is enough.
+            run.manager.block_pool.metrics_collector = collector
+            self.collectors[inst.instance_id] = collector
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, progress: ProgressCallback | None) -> None:
+        requests = self.trace.requests
+        next_index = 0
+        try:
+            while True:
+                busy = [inst for inst in self.instances if inst.busy]
+                next_step = min(busy, key=lambda inst: inst.run.now) if busy else None
+                arrival_s = self.arrivals[next_index] if next_index < len(requests) else None
+                if next_step is None and arrival_s is None:
+                    break
+                if arrival_s is not None and (next_step is None or arrival_s <= next_step.run.now):
+                    self._publish_visible(arrival_s)
+                    self._dispatch(requests[next_index], arrival_s)
+                    next_index += 1
+                else:
+                    self._step(next_step)
+                if progress is not None:
+                    progress(self.num_done)
+            self._publish_visible(float("inf"))
+            self._barrier()
+        finally:
+            for inst in self.instances:
+                inst.close()
+
+    @property
+    def num_done(self) -> int:
+        return self.num_rejected + sum(inst.run.totals["completed"] for inst in self.instances)
+
+    def _dispatch(self, trace_request: Any, arrival_s: float) -> None:
+        first = self.instances[0].run
+        if trace_request.num_prompt_tokens >= first.scheduler.max_model_len:
+            self.num_rejected += 1
+            return
+        request = first.make_request(trace_request, arrival_s)
+        self._barrier()  # the router sees every event published so far, no more
+        loads = {inst.instance_id: inst.run.scheduler.get_num_unfinished_requests()
+                 for inst in self.instances}  # fmt: skip
+        decision = self.router.route(request_block_hashes(request), loads)
+        self.matched_blocks.append(decision.matched_blocks)
+        inst = self.instances[int(decision.instance_id)]
+        if not inst.busy:
+            inst.run.now = max(inst.run.now, arrival_s)  # idle until this arrival
+        inst.run.add_request(request, trace_request, arrival_s)
+        inst.num_dispatched += 1
+
+    def _step(self, inst: _Instance) -> None:
+        run = inst.run
+        start_s = run.now
+        run.step()
+        inst.busy_s += run.now - start_s
+        events = run.manager.take_events()
+        if events:
+            inst.pending.append((run.now, events))  # visible when the step ends
+            inst.num_events += len(events)
+        if self.metrics is not None:
+            self._observe(inst)
+
+    def _publish_visible(self, now_s: float) -> None:
+        from pagedkv.wire import EventBatch
+
+        for inst in self.instances:
+            pending = inst.pending
+            count = 0
+            while count < len(pending) and pending[count][0] <= now_s:
+                visible_s, events = pending[count]
+                inst.publisher.publish(EventBatch(visible_s, events))
+                count += 1
+            del pending[:count]
+
+    def _barrier(self) -> None:
+        """Apply, through the subscribers, every batch published so far."""
+        deadline = time.monotonic() + _BARRIER_TIMEOUT_S
+        for inst in self.instances:
+            last_published = inst.publisher.next_seq - 1
+            subscriber = inst.subscriber
+            while last_published >= 0 and (
+                subscriber.last_seq is None or subscriber.last_seq < last_published
+            ):
+                if time.monotonic() > deadline:
+                    raise InvariantViolation(
+                        f"instance {inst.instance_id}: events up to {last_published} were "
+                        f"published but the router got {subscriber.last_seq}"
+                    )
+                for item in subscriber.poll(0.01):
+                    self.router.apply_events(inst.instance_id, item.batch.events)
+
+    def _observe(self, inst: _Instance) -> None:
+        run = inst.run
+        stats = run.manager.prefix_cache_stats
+        delta = None
+        if stats is not None:
+            from pagedkv.stats import PrefixCacheStats
+
+            delta = PrefixCacheStats(
+                queries=stats.queries - inst.seen_queries, hits=stats.hits - inst.seen_hits
+            )
+            inst.seen_queries, inst.seen_hits = stats.queries, stats.hits
+        preemptions = run.totals["preemptions"]
+        collector = self.collectors[inst.instance_id]
+        allocated, evicted = collector.take_block_counts()
+        self.metrics.observe(
+            engine=self.engine_prefix + inst.instance_id,
+            usage=run.result.step_usage[-1],
+            prefix_cache_stats=delta,
+            residency_events=collector.drain_events(),
+            num_preemptions=preemptions - inst.seen_preemptions,
+            num_blocks_allocated=allocated,
+            num_blocks_evicted=evicted,
+        )
+        inst.seen_preemptions = preemptions
+
+    # ------------------------------------------------------------------ the report
+
+    def index_matches_pools(self) -> bool:
+        """Whether the router's index equals every instance's real cache contents."""
+        for inst in self.instances:
+            pool = inst.run.manager.block_pool
+            actual: dict = {}
+            for block_hash, block_ids in pool.cached_hashes(0).items():
+                key = (pool.medium, 0, to_external_hash(block_hash))
+                actual[key] = actual.get(key, 0) + len(block_ids)
+            if self.router.index.instance_contents(inst.instance_id) != actual:
+                return False
+        return True
+
+    def summary(self, policy: str) -> dict[str, Any]:
+        runs = [inst.run for inst in self.instances]
+        ttfts = [value for run in runs for value in run.ttfts]
+        latencies = [value for run in runs for value in run.latencies]
+        end_s = max(run.now for run in runs)
+        makespan_s = end_s - self.start_s
+        index_ok = self.index_matches_pools()
+        per_instance = []
+        queries = hits = 0
+        for inst in self.instances:
+            stats = inst.run.manager.make_prefix_cache_stats()
+            queries += stats.queries
+            hits += stats.hits
+            per_instance.append(
+                {
+                    "instance": inst.instance_id,
+                    "requests": inst.num_dispatched,
+                    "completed": inst.run.totals["completed"],
+                    "prefill_tokens_computed": inst.run.totals["prefill_tokens"],
+                    "busy_s": _round(inst.busy_s),
+                    "hit_rate": _round(stats.hits / stats.queries if stats.queries else 0.0),
+                    "preemptions": inst.run.totals["preemptions"],
+                    "event_batches": inst.publisher.next_seq,
+                    "events": inst.num_events,
+                    "events_dropped": inst.publisher.dropped_batches,
+                    "subscriber": {
+                        "gaps": inst.subscriber.num_gaps,
+                        "replayed": inst.subscriber.num_replayed,
+                        "snapshots": inst.subscriber.num_snapshots,
+                        "missed": inst.subscriber.num_missed,
+                        "malformed": inst.subscriber.num_malformed,
+                    },
+                }
+            )
+        completed = sum(run.totals["completed"] for run in runs)
+        output_tokens = sum(run.totals["output_tokens"] for run in runs)
+        return {
+            "router": policy,
+            "num_requests_completed": completed,
+            "num_requests_rejected": self.num_rejected,
+            "simulated_time_s": _round(makespan_s),
+            "prefix_cache": {
+                "queries": queries,
+                "hits": hits,
+                "hit_rate": _round(hits / queries if queries else 0.0),
+            },
+            "ttft_s": _distribution(ttfts),
+            "e2e_latency_s": _distribution(latencies),
+            "throughput": {
+                "requests_per_s": _round(_rate(completed, makespan_s)),
+                "output_tokens_per_s": _round(_rate(output_tokens, makespan_s)),
+            },
+            "load_balance": _load_balance(per_instance),
+            "routing": {
+                "mean_matched_blocks": _round(
+                    sum(self.matched_blocks) / len(self.matched_blocks)
+                    if self.matched_blocks
+                    else 0.0
+                ),
+                "fallback_decisions": self.router.num_fallback_decisions,
+                "index_matches_pools": index_ok,
+            },
+            "instances": per_instance,
+        }
+
+
+def _load_balance(per_instance: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Spread of work across instances: max over mean (1 = perfectly even)."""
+
+    def max_over_mean(values: Sequence[float]) -> float:
+        mean = sum(values) / len(values)
+        return _round(max(values) / mean if mean else 1.0)
+
+    requests = [item["requests"] for item in per_instance]
+    prefill = [item["prefill_tokens_computed"] for item in per_instance]
+    busy = [item["busy_s"] for item in per_instance]
+    return {
+        "requests_per_instance": requests,
+        "requests_max_over_mean": max_over_mean(requests),
+        "prefill_tokens_max_over_mean": max_over_mean(prefill),
+        "busy_time_max_over_mean": max_over_mean(busy),
+    }
+
+
+def simulate_cluster(
+    trace: Trace,
+    config: ClusterConfig,
+    policies: Sequence[str],
+    metrics: Any = None,
+    progress: ProgressCallback | None = None,
+) -> list[dict[str, Any]]:
+    """Serve the trace once per routing policy (fresh instances each time); one summary each.
+
+    With `metrics` (a `pagedkv.metrics.KVCacheMetrics`), every instance step is observed,
+    labelled `engine="<i>"` (or `"<policy>/<i>"` when several policies run).
+    """
+    for policy in policies:
+        if policy not in POLICY_NAMES:
+            raise ConfigError(f"unknown router {policy!r}; choose one of {POLICY_NAMES}")
+    summaries = []
+    for policy in policies:
+        prefix = f"{policy}/" if len(policies) > 1 else ""
+        run = _ClusterRun(trace, config, policy, metrics, prefix)
+        run.run(progress)
+        summaries.append(run.summary(policy))
+    return summaries

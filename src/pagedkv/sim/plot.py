@@ -1,0 +1,74 @@
+"""Simulator layer: PNG plots of a report (needs matplotlib, imported lazily).
+
+Replay: hit rate against capacity. Serve: KV usage, running and waiting requests over time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pagedkv.errors import MissingDependencyError
+from pagedkv.sim.serve import ServeResult
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise MissingDependencyError("--plot needs matplotlib: pip install 'pagedkv[sim]'") from exc
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_replay(report: dict[str, Any], path: str | Path) -> None:
+    """Token hit rate against capacity (log scale); the unlimited point as a dashed line."""
+    plt = _pyplot()
+    limited = [r for r in report["results"] if r["capacity_tokens"] is not None]
+    limited.sort(key=lambda r: r["capacity_tokens"])
+    unlimited = [r for r in report["results"] if r["capacity_tokens"] is None]
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    axes.plot(
+        [r["capacity_tokens"] for r in limited],
+        [100 * r["hit_rate"] for r in limited],
+        marker="o",
+    )
+    for r in unlimited:
+        axes.axhline(100 * r["hit_rate"], linestyle="--", color="grey", label="unlimited")
+    if len(limited) > 1:
+        axes.set_xscale("log")
+    axes.set_xlabel("KV-cache capacity (tokens)")
+    axes.set_ylabel("prefix-cache token hit rate (%)")
+    axes.set_title(
+        f"{report['trace']['name']}: hit rate vs capacity "
+        f"(block size {report['config']['block_size']})"
+    )
+    axes.grid(True, which="both", alpha=0.3)
+    if unlimited:
+        axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_serve(report: dict[str, Any], result: ServeResult, path: str | Path) -> None:
+    """KV usage, running and waiting requests per step, against simulated time."""
+    plt = _pyplot()
+    times = list(result.step_start_s)
+    figure, (usage_axes, queue_axes) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    usage_axes.plot(times, [100 * value for value in result.step_usage], color="tab:blue")
+    usage_axes.set_ylabel("KV usage (%)")
+    usage_axes.set_ylim(0, 105)
+    usage_axes.grid(True, alpha=0.3)
+    queue_axes.plot(times, list(result.step_num_running), label="running", color="tab:green")
+    queue_axes.plot(times, list(result.step_num_waiting), label="waiting", color="tab:red")
+    queue_axes.set_ylabel("requests")
+    queue_axes.set_xlabel("simulated time (s)")
+    queue_axes.legend()
+    queue_axes.grid(True, alpha=0.3)
+    usage_axes.set_title(f"{report['trace']['name']}: serve ({report['config']['profile']})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,353 @@
+"""Simulator layer: serve mode, time-stepped serving of a trace through the reference scheduler.
+
+Requests arrive at their (scaled) timestamps; each step's duration comes from a cost model.
+Sampled tokens are the trace's deterministic output ids. The clock is simulated: the result
+depends only on the inputs, never on the machine running it.
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.errors import ConfigError, InvariantViolation
+from pagedkv.hashing import make_request_block_hasher
+from pagedkv.kv_cache_manager import KVCacheManager
+from pagedkv.request import Request
+from pagedkv.sched import (
+    FCFSPolicy,
+    PriorityPolicy,
+    Scheduler,
+    SchedulerConfig,
+    SchedulingPolicy,
+    StepRecord,
+)
+from pagedkv.sim.cost_model import LinearCostModel
+from pagedkv.sim.traces import Trace, TraceRequest
+from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+ProgressCallback = Callable[[int], None]  # called with the number of requests done so far
+POLICIES: dict[str, Callable[[], SchedulingPolicy]] = {
+    "fcfs": FCFSPolicy,
+    "priority": PriorityPolicy,
+}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything serve mode needs besides the trace.
+
+    `num_blocks` counts usable blocks (the pool gets one more, the null block).
+    `time_scale` multiplies every arrival time (0.5 replays the trace twice as fast).
+    """
+
+    num_blocks: int
+    cost_model: LinearCostModel
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    block_size: int = 16
+    max_model_len: int = 131072
+    policy: str = "fcfs"
+    time_scale: float = 1.0
+    enable_prefix_caching: bool = True
+    watermark: float = 0.0
+    hash_algorithm: str = "sha256"
+    num_timeline_points: int = 120
+    enable_kv_cache_events: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        if not self.time_scale > 0:
+            raise ConfigError(f"time_scale must be > 0, got {self.time_scale!r}")
+
+
+@dataclass
+class ServeResult:
+    """Per-request latencies, totals and the per-step time series (for plots)."""
+
+    summary: dict[str, Any]
+    step_start_s: array = field(default_factory=lambda: array("d"))
+    step_usage: array = field(default_factory=lambda: array("d"))
+    step_num_running: array = field(default_factory=lambda: array("l"))
+    step_num_waiting: array = field(default_factory=lambda: array("l"))
+
+
+class _Timing:
+    __slots__ = ("trace_request", "arrival_s", "first_token_s")
+
+    def __init__(self, trace_request: TraceRequest, arrival_s: float) -> None:
+        self.trace_request = trace_request
+        self.arrival_s = arrival_s
+        self.first_token_s: float | None = None
+
+
+class _ServeRun:
+    """One serve simulation: the clock, the scheduler and the running tallies."""
+
+    def __init__(self, trace: Trace, config: ServeConfig) -> None:
+        spec = FullAttentionSpec(
+            block_size=config.block_size, num_kv_heads=1, head_size=1, dtype_bytes=1
+        )
+        group = KVCacheGroupSpec(("layer",), spec)
+        self.manager = KVCacheManager(
+            KVCacheConfig(config.num_blocks + 1, (group,)),
+            config.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+            log_stats=True,
+            enable_kv_cache_events=config.enable_kv_cache_events,
+            watermark=config.watermark,
+        )
+        self.scheduler = Scheduler(self.manager, config.scheduler, POLICIES[config.policy]())
+        self.hasher = (
+            make_request_block_hasher(config.block_size, config.hash_algorithm)
+            if config.enable_prefix_caching
+            else None
+        )
+        self.config = config
+        self.requests = trace.requests
+        self.arrivals = [request.arrival_time_s * config.time_scale for request in self.requests]
+        self.next_index = 0
+        self.start_s = self.now = self.arrivals[0] if self.arrivals else 0.0
+        self.result = ServeResult(summary={})
+        self.timings: dict[str, _Timing] = {}
+        self.ttfts: list[float] = []
+        self.tpots: list[float] = []
+        self.latencies: list[float] = []
+        self.totals = dict.fromkeys(_TOTALS, 0)
+        self.preempted_ids: set[str] = set()
+        self.area = {"usage": 0.0, "running": 0.0, "waiting": 0.0}
+        self.peak = {"usage": 0.0, "running": 0, "waiting": 0}
+
+    @property
+    def num_done(self) -> int:
+        return self.totals["completed"] + self.totals["rejected"]
+
+    def run(self, progress: ProgressCallback | None) -> None:
+        scheduler = self.scheduler
+        num_requests = len(self.requests)
+        while self.next_index < num_requests or scheduler.has_unfinished_requests():
+            self.admit_arrivals()
+            if not scheduler.has_unfinished_requests():
+                if self.next_index < num_requests:
+                    self.now = self.arrivals[self.next_index]  # idle until the next arrival
+                if progress is not None:
+                    progress(self.num_done)
+                continue
+            if self.step() and progress is not None:
+                progress(self.num_done)
+
+    def admit_arrivals(self) -> None:
+        """Add every request that has arrived by now (reject prompts with no room to answer)."""
+        requests, arrivals = self.requests, self.arrivals
+        max_model_len = self.scheduler.max_model_len
+        while self.next_index < len(requests) and arrivals[self.next_index] <= self.now:
+            trace_request = requests[self.next_index]
+            arrival_s = arrivals[self.next_index]
+            self.next_index += 1
+            if trace_request.num_prompt_tokens >= max_model_len:
+                self.totals["rejected"] += 1
+                continue
+            self.add_request(self.make_request(trace_request, arrival_s), trace_request, arrival_s)
+
+    def make_request(self, trace_request: TraceRequest, arrival_s: float) -> Request:
+        """The request for `trace_request` (hashed, so a router can score it first)."""
+        return Request(
+            trace_request.request_id,
+            trace_request.prompt_token_ids(),
+            max_tokens=trace_request.num_output_tokens,
+            block_hasher=self.hasher,
+            priority=trace_request.priority,
+            arrival_time=arrival_s,
+        )
+
+    def add_request(self, request: Request, trace_request: TraceRequest, arrival_s: float) -> None:
+        """Queue a request made by `make_request` (of this run or an identically configured one)."""
+        self.scheduler.add_request(request)
+        self.timings[request.request_id] = _Timing(trace_request, arrival_s)
+
+    def step(self) -> int:
+        """Run one scheduler step; return how many requests it finished."""
+        scheduler = self.scheduler
+        output = scheduler.schedule()
+        record = scheduler.step_records[-1]
+        if not output.scheduled:
+            raise InvariantViolation(f"step {output.step_index} scheduled nothing")
+        self.account_step(record, self.config.cost_model.step_time_s(record))
+        now = self.now
+        timings = self.timings
+        sampled: dict[str, list[int]] = {}
+        for item in output.scheduled:
+            if item.is_prefill_chunk_complete:
+                request = item.request
+                timing = timings[request.request_id]
+                if timing.first_token_s is None:
+                    timing.first_token_s = now
+                sampled[request.request_id] = [
+                    timing.trace_request.output_token_start + request.num_output_tokens
+                ]
+        finished = scheduler.update_from_output(output, sampled)
+        scheduler.step_records.clear()  # keep memory flat on long runs
+        for request in finished:
+            self.account_finished(request)
+        return len(finished)
+
+    def account_step(self, record: StepRecord, duration_s: float) -> None:
+        """Record the step's state (it holds for `duration_s`) and advance the clock."""
+        result, area, peak, totals = self.result, self.area, self.peak, self.totals
+        result.step_start_s.append(self.now)
+        result.step_usage.append(record.usage)
+        result.step_num_running.append(record.num_running)
+        result.step_num_waiting.append(record.num_waiting)
+        area["usage"] += record.usage * duration_s
+        area["running"] += record.num_running * duration_s
+        area["waiting"] += record.num_waiting * duration_s
+        peak["usage"] = max(peak["usage"], record.usage)
+        peak["running"] = max(peak["running"], record.num_running)
+        peak["waiting"] = max(peak["waiting"], record.num_waiting)
+        totals["prefill_tokens"] += record.num_prefill_tokens
+        totals["decode_tokens"] += record.num_decode_tokens
+        totals["preemptions"] += len(record.preempted_request_ids)
+        totals["steps"] += 1
+        self.preempted_ids.update(record.preempted_request_ids)
+        self.now += duration_s
+
+    def account_finished(self, request: Request) -> None:
+        timing = self.timings.pop(request.request_id)
+        first_token_s = timing.first_token_s
+        assert first_token_s is not None  # a finished request has sampled a token
+        num_output = request.num_output_tokens
+        self.ttfts.append(first_token_s - timing.arrival_s)
+        self.latencies.append(self.now - timing.arrival_s)
+        if num_output > 1:
+            self.tpots.append((self.now - first_token_s) / (num_output - 1))
+        self.totals["completed"] += 1
+        self.totals["output_tokens"] += num_output
+        self.totals["prompt_tokens"] += request.num_prompt_tokens
+
+    def summary(self) -> dict[str, Any]:
+        stats = self.manager.make_prefix_cache_stats()
+        assert stats is not None  # the manager logs stats
+        totals, area, peak = self.totals, self.area, self.peak
+        makespan_s = self.now - self.start_s
+        return {
+            "num_requests_completed": totals["completed"],
+            "num_requests_rejected": totals["rejected"],
+            "num_steps": totals["steps"],
+            "simulated_time_s": _round(makespan_s),
+            "ttft_s": _distribution(self.ttfts),
+            "tpot_s": _distribution(self.tpots),
+            "e2e_latency_s": _distribution(self.latencies),
+            "throughput": {
+                "requests_per_s": _round(_rate(totals["completed"], makespan_s)),
+                "prompt_tokens_per_s": _round(_rate(totals["prompt_tokens"], makespan_s)),
+                "output_tokens_per_s": _round(_rate(totals["output_tokens"], makespan_s)),
+            },
+            "tokens": {
+                "prompt": totals["prompt_tokens"],
+                "output": totals["output_tokens"],
+                "prefill_computed": totals["prefill_tokens"],
+                "decode_computed": totals["decode_tokens"],
+            },
+            "prefix_cache": {
+                "queries": stats.queries,
+                "hits": stats.hits,
+                "hit_rate": _round(stats.hits / stats.queries if stats.queries else 0.0),
+                "preempted_queries": stats.preempted_queries,
+                "preempted_hits": stats.preempted_hits,
+            },
+            "preemptions": {
+                "num_preemptions": totals["preemptions"],
+                "num_requests_preempted": len(self.preempted_ids),
+            },
+            "usage": {
+                "peak": _round(peak["usage"]),
+                "mean": _round(_rate(area["usage"], makespan_s)),
+            },
+            "num_running": {
+                "peak": peak["running"],
+                "mean": _round(_rate(area["running"], makespan_s)),
+            },
+            "num_waiting": {
+                "peak": peak["waiting"],
+                "mean": _round(_rate(area["waiting"], makespan_s)),
+            },
+            "timeline": _timeline(
+                self.result, self.start_s, self.now, self.config.num_timeline_points
+            ),
+        }
+
+
+_TOTALS = (
+    "prefill_tokens",
+    "decode_tokens",
+    "preemptions",
+    "completed",
+    "rejected",
+    "output_tokens",
+    "prompt_tokens",
+    "steps",
+)
+
+
+def simulate_serving(
+    trace: Trace, config: ServeConfig, progress: ProgressCallback | None = None
+) -> ServeResult:
+    """Serve the whole trace to completion and summarise it."""
+    run = _ServeRun(trace, config)
+    run.run(progress)
+    run.result.summary = run.summary()
+    return run.result
+
+
+def _timeline(result: ServeResult, start_s: float, end_s: float, num_points: int) -> dict:
+    """The state at evenly spaced times: that of the last step started at or before each."""
+    starts = result.step_start_s
+    times, usage, running, waiting = [], [], [], []
+    for point in range(num_points):
+        time_s = start_s + (end_s - start_s) * point / max(num_points - 1, 1)
+        index = bisect_right(starts, time_s) - 1
+        times.append(_round(time_s))
+        if index < 0:
+            usage.append(0.0)
+            running.append(0)
+            waiting.append(0)
+        else:
+            usage.append(_round(result.step_usage[index]))
+            running.append(result.step_num_running[index])
+            waiting.append(result.step_num_waiting[index])
+    return {"time_s": times, "usage": usage, "num_running": running, "num_waiting": waiting}
+
+
+def percentile(sorted_values: Sequence[float], fraction: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default method)."""
+    if not sorted_values:
+        return 0.0
+    position = (len(sorted_values) - 1) * fraction
+    lower = int(position)
+    upper = min(lower + 1, len(sorted_values) - 1)
+    weight = position - lower
+    return sorted_values[lower] * (1 - weight) + sorted_values[upper] * weight
+
+
+def _distribution(values: list[float]) -> dict[str, float | int]:
+    ordered = sorted(values)
+    return {
+        "count": len(ordered),
+        "mean": _round(sum(ordered) / len(ordered) if ordered else 0.0),
+        "p50": _round(percentile(ordered, 0.5)),
+        "p90": _round(percentile(ordered, 0.9)),
+        "p99": _round(percentile(ordered, 0.99)),
+        "max": _round(ordered[-1] if ordered else 0.0),
+    }
+
+
+def _rate(amount: float, seconds: float) -> float:
+    return amount / seconds if seconds > 0 else 0.0
+
+
+def _round(value: float) -> float:
+    """Six significant digits: stable, readable JSON."""
+    return float(f"{value:.6g}")

@@ -1,0 +1,260 @@
+"""Import hygiene, checked by parsing every module under src/pagedkv (nothing is imported).
+
+(a) The core (top-level modules and managers/) imports only the standard library and pagedkv at
+    import time; optional extras may be imported lazily, inside functions, only where listed.
+(b) Imports point down the layer order (type-only imports under TYPE_CHECKING are exempt):
+    leaves -> block_pool -> managers -> coordinator -> kv_cache_manager -> sched -> sim -> cli.
+(c) CLI command modules import only the standard library and pagedkv at import time.
+
+A new top-level module or package must be placed in LAYERS (the test says so), which keeps the
+order a decision instead of an accident.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "src" / "pagedkv"
+
+# Rank of every top-level module or package of pagedkv. A module may import modules of a lower
+# or equal rank (equal: sideways, e.g. between leaves or within one package), never higher.
+LAYERS: dict[str, int] = {
+    # leaves
+    "errors": 0,
+    "block": 1,
+    "specs": 1,
+    "stats": 1,
+    "events": 2,
+    "free_queue": 2,
+    "hashing": 2,
+    "request": 3,
+    "sizing": 3,
+    "model_config": 4,  # model configs -> specs (the input of sizing)
+    "residency": 3,
+    # the pool and what sits on it
+    "block_pool": 10,
+    "managers": 20,
+    "coordinator": 30,
+    "coordinator_hybrid": 30,
+    "kv_cache_manager": 40,
+    "__init__": 45,  # the package root re-exports the core
+    # above the core
+    "sched": 50,
+    "snapshot": 51,  # cache mirror rebuilt from events (stdlib)
+    "wire": 52,
+    "events_zmq": 52,
+    "metrics": 54,
+    "router": 54,
+    "engine": 54,
+    "sim": 60,
+    "cli": 100,
+    "__main__": 101,
+}
+
+# The core: these may import only the standard library and pagedkv at import time.
+CORE = {
+    "errors",
+    "block",
+    "specs",
+    "stats",
+    "events",
+    "free_queue",
+    "hashing",
+    "request",
+    "sizing",
+    "model_config",
+    "residency",
+    "block_pool",
+    "managers",
+    "coordinator",
+    "coordinator_hybrid",
+    "kv_cache_manager",
+    "__init__",
+}
+
+# Optional extras a core module may import lazily (inside a function), by module.
+LAZY_EXTRAS: dict[str, set[str]] = {
+    "hashing": {"cbor2", "xxhash"},
+}
+
+# Leaves must never reach these, whatever their ranks become.
+ABOVE_LEAVES = {
+    "block_pool",
+    "managers",
+    "coordinator",
+    "coordinator_hybrid",
+    "kv_cache_manager",
+    "sched",
+    "sim",
+    "cli",
+}
+LEAVES = {"errors", "block", "specs", "stats", "events", "free_queue", "hashing", "request"}
+
+STDLIB = set(sys.stdlib_module_names) | {"__future__"}
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # absolute dotted name as written (relative imports resolved)
+    names: tuple[str, ...]  # for `from x import a, b`
+    lineno: int
+    lazy: bool  # inside a function
+    type_only: bool  # inside `if TYPE_CHECKING:`
+
+
+def module_key(path: Path) -> str:
+    """The LAYERS key of a file: its top-level module or package under pagedkv."""
+    parts = path.relative_to(PACKAGE_DIR).with_suffix("").parts
+    return parts[0]
+
+
+def dotted_package(path: Path) -> list[str]:
+    """The package a file's relative imports resolve against (its directory, dotted)."""
+    return ["pagedkv", *path.relative_to(PACKAGE_DIR).parent.parts]
+
+
+def is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def collect_imports(source: str, package: list[str]) -> list[Import]:
+    found: list[Import] = []
+
+    def visit(node: ast.AST, lazy: bool, type_only: bool) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.append(Import(alias.name, (), node.lineno, lazy, type_only))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            names = tuple(alias.name for alias in node.names)
+            found.append(Import(module, names, node.lineno, lazy, type_only))
+        for child in ast.iter_child_nodes(node):
+            child_lazy = lazy or isinstance(
+                node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+            )
+            child_type_only = type_only or (
+                isinstance(node, ast.If) and is_type_checking(node.test) and child in node.body
+            )
+            visit(child, child_lazy, child_type_only)
+
+    visit(ast.parse(source), False, False)
+    return found
+
+
+def pagedkv_targets(imp: Import) -> list[str]:
+    """LAYERS keys an import reaches inside pagedkv (empty for other packages)."""
+    parts = imp.module.split(".")
+    if parts[0] != "pagedkv":
+        return []
+    if len(parts) >= 2:
+        return [parts[1]]
+    # `import pagedkv` or `from pagedkv import x`: x is a submodule, or a name of the root.
+    targets = []
+    for name in imp.names or ("__init__",):
+        is_module = (PACKAGE_DIR / f"{name}.py").exists() or (PACKAGE_DIR / name).is_dir()
+        targets.append(name if is_module else "__init__")
+    return targets
+
+
+def violations_of(key: str, imports: list[Import]) -> list[str]:
+    """Every rule an import list of module `key` breaks, as readable strings."""
+    problems = []
+    rank = LAYERS[key]
+    for imp in imports:
+        top = imp.module.split(".")[0]
+        if key in CORE and top != "pagedkv" and top not in STDLIB:
+            if not (imp.lazy and top in LAZY_EXTRAS.get(key, set())):
+                problems.append(f"line {imp.lineno}: core module imports {imp.module!r}")
+        if key == "cli" and not imp.lazy and top != "pagedkv" and top not in STDLIB:
+            problems.append(f"line {imp.lineno}: CLI imports {imp.module!r} at import time")
+        if imp.type_only:
+            continue
+        for target in pagedkv_targets(imp):
+            if target not in LAYERS:
+                problems.append(f"line {imp.lineno}: pagedkv.{target} is not placed in LAYERS")
+            elif LAYERS[target] > rank:
+                problems.append(
+                    f"line {imp.lineno}: {key} (rank {rank}) imports {target} "
+                    f"(rank {LAYERS[target]}): imports must point down"
+                )
+            if key in LEAVES and target in ABOVE_LEAVES:
+                problems.append(f"line {imp.lineno}: leaf {key} imports {target}")
+            if key == "managers" and target in {
+                "coordinator",
+                "coordinator_hybrid",
+                "kv_cache_manager",
+            }:
+                problems.append(f"line {imp.lineno}: managers import {target}")
+    return problems
+
+
+SOURCE_FILES = sorted(PACKAGE_DIR.rglob("*.py"))
+
+
+def test_there_are_modules_to_check():
+    keys = {module_key(path) for path in SOURCE_FILES}
+    assert {"block", "block_pool", "managers", "coordinator", "kv_cache_manager"} <= keys
+
+
+@pytest.mark.parametrize(
+    "path", SOURCE_FILES, ids=[str(p.relative_to(PACKAGE_DIR)) for p in SOURCE_FILES]
+)
+def test_module_imports(path: Path):
+    key = module_key(path)
+    assert key in LAYERS, (
+        f"pagedkv.{key} is not placed in the layer table: add it to LAYERS in tests/test_imports.py"
+    )
+    imports = collect_imports(path.read_text(), dotted_package(path))
+    assert violations_of(key, imports) == []
+
+
+# ---------------------------------------------------------------------------- the checker itself
+
+
+def check(key: str, source: str, package=("pagedkv",)) -> list[str]:
+    return violations_of(key, collect_imports(source, list(package)))
+
+
+def test_checker_flags_upward_import():
+    assert check("block", "from pagedkv.block_pool import BlockPool")
+    assert check(
+        "managers", "from pagedkv.kv_cache_manager import KVCacheManager", ("pagedkv", "managers")
+    )
+    assert check("kv_cache_manager", "import pagedkv.sched")
+    assert check("hashing", "from pagedkv import KVCacheManager")  # the root is above leaves
+
+
+def test_checker_flags_third_party_in_core():
+    assert check("block_pool", "import numpy")
+    assert check("hashing", "import xxhash")  # module level: not lazy
+    assert check("block_pool", "def f():\n    import xxhash\n")  # not listed for block_pool
+    assert check("hashing", "def f():\n    import xxhash\n") == []
+    assert check("sim", "import matplotlib") == []  # outside the core
+
+
+def test_checker_flags_unplaced_module_and_heavy_cli():
+    assert check("sched", "from pagedkv.brand_new import x")
+    assert check("cli", "import torch")
+    assert check("cli", "def run(args):\n    import torch\n") == []
+
+
+def test_checker_allows_downward_sideways_and_type_only():
+    assert check("block_pool", "from pagedkv.hashing import BlockHasher") == []
+    assert check("block", "from pagedkv.specs import cdiv") == []  # sideways between leaves
+    source = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pagedkv.request import R\n"
+    )
+    assert check("hashing", source) == []
+    assert check("managers", "from .base import X", ("pagedkv", "managers")) == []
+    assert check("sched", "from pagedkv import KVCacheManager") == []
