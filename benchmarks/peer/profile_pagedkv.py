@@ -77,32 +77,12 @@ class PhaseProfiler:
         if hasattr(manager, "allocate_decode_slots"):
             manager.allocate_decode_slots = self.wrap(
                 lambda a: "decode_alloc", manager.allocate_decode_slots)
-        # Hashing happens in Request construction and in append_output_token_ids.
+        # Hashing happens in Request construction and in append_output_token_ids. The methods
+        # are wrapped on the class itself: a subclass would fail the manager's
+        # `type(request) is Request` fast-path test and profile the slow path instead.
         request_cls = pagedkv_driver.Request
-        hashing = self
-
-        class ProfiledRequest(request_cls):
-            __slots__ = ()
-
-            def __init__(self, *args, **kwargs):
-                hashing.entry_calls["hashing"] += 1
-                prof = hashing.profiles["hashing"]
-                prof.enable()
-                try:
-                    super().__init__(*args, **kwargs)
-                finally:
-                    prof.disable()
-
-            def append_output_token_ids(self, token_ids):
-                hashing.entry_calls["hashing"] += 1
-                prof = hashing.profiles["hashing"]
-                prof.enable()
-                try:
-                    super().append_output_token_ids(token_ids)
-                finally:
-                    prof.disable()
-
-        pagedkv_driver.Request = ProfiledRequest
+        for name in ("__init__", "append_output_token_ids"):
+            setattr(request_cls, name, self.wrap(lambda a: "hashing", getattr(request_cls, name)))
 
 
 def summarize(kind: str, prof: cProfile.Profile, entry_calls: int, top: int) -> list[str]:
