@@ -156,7 +156,7 @@ class SingleTypeKVCacheManager:
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(blocks[::-1])
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         """Forget the request's table and return its blocks (in order) for a deferred free."""
