@@ -78,7 +78,9 @@ class AllocationChecker:
     ) -> tuple[Sequence[KVCacheBlock], ...]:
         """Check every argument against the current state; return the hit lists per group."""
         if not isinstance(request, Request):
-            raise InvalidTypeError(f"request must be a pagedkv Request, got {type(request).__name__}")
+            raise InvalidTypeError(
+                f"request must be a pagedkv Request, got {type(request).__name__}"
+            )
         counts = (
             num_new_tokens,
             num_new_computed_tokens,
@@ -99,7 +101,11 @@ class AllocationChecker:
             )
             for name, count in zip(names, counts, strict=True):
                 check_count(name, count)
-        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
+        if (
+            num_new_tokens == 0
+            and num_external_computed_tokens == 0
+            and num_new_computed_tokens == 0
+        ):
             raise InvalidArgumentError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
@@ -185,9 +191,7 @@ class AllocationChecker:
             return hits
         pool_blocks = self.block_pool.blocks
         null_block = self.block_pool.null_block
-        for group_id, (manager, blocks) in enumerate(
-            zip(self.managers, hits, strict=True)
-        ):
+        for group_id, (manager, blocks) in enumerate(zip(self.managers, hits, strict=True)):
             # Exactly the blocks covering the hit: extra hit blocks would be counted as cached
             # while their tokens are still to be computed (into shared blocks).
             if len(blocks) != cdiv(num_new_computed_tokens, manager.block_size):

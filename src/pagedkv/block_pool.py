@@ -273,9 +273,9 @@ class BlockPool:
             block.block_hash = block_hash
             block.hash_group_id = kv_cache_group_id
             if setdefault(block_hash, block) is not block:
-                self._duplicates[kv_cache_group_id].setdefault(block_hash, {})[
-                    block.block_id
-                ] = block
+                self._duplicates[kv_cache_group_id].setdefault(block_hash, {})[block.block_id] = (
+                    block
+                )
         if not emit:
             return
         # Events: the per-block lists are built only when blocks were skipped (rare).
@@ -298,8 +298,14 @@ class BlockPool:
         if new_hashes:
             self.kv_event_queue.append(
                 self._block_stored_event(
-                    request, block_hashes, new_hashes, new_indices, num_cached_blocks,
-                    num_full_blocks, block_size, kv_cache_group_id,
+                    request,
+                    block_hashes,
+                    new_hashes,
+                    new_indices,
+                    num_cached_blocks,
+                    num_full_blocks,
+                    block_size,
+                    kv_cache_group_id,
                 )
             )
 
