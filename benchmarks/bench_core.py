@@ -49,7 +49,8 @@ def run_serving(
 ) -> dict:
     """A minimal synchronous scheduler: decode every running request, then admit."""
     rng = random.Random(seed)
-    max_model_len = max(len(p) for p in prompts) + decode_steps + 1
+    # Slack: a preempted request re-admitted with its outputs samples one extra token.
+    max_model_len = max(len(p) for p in prompts) + decode_steps + 64
     manager = make_manager(num_blocks, block_size, max_model_len)
     hasher = make_request_block_hasher(block_size)
     out_tokens = [rng.randrange(32000) for _ in range(4096)]
