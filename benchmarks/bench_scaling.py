@@ -51,8 +51,10 @@ def run(num_blocks: int, concurrency: int, prompt_len: int, decode_steps: int, r
         for request in batch:
             hit = manager.get_computed_blocks(request)
             blocks = manager.allocate_slots(
-                request, request.num_tokens - hit.num_computed_tokens,
-                hit.num_computed_tokens, hit.blocks,
+                request,
+                request.num_tokens - hit.num_computed_tokens,
+                hit.num_computed_tokens,
+                hit.blocks,
             )
             assert blocks is not None, "pool too small for the benchmark"
             request.status = RequestStatus.RUNNING
@@ -104,7 +106,10 @@ def main() -> int:
         c: run(c * 24 + 100, concurrency=c, prompt_len=256, decode_steps=64, rounds=2)
         for c in (10, 100, 1_000)
     }
-    result = {"us_per_call_by_num_blocks": pool_sweep, "us_per_call_by_concurrency": concurrency_sweep}
+    result = {
+        "us_per_call_by_num_blocks": pool_sweep,
+        "us_per_call_by_concurrency": concurrency_sweep,
+    }
     print(json.dumps(result, indent=2))
     if args.plot:
         import matplotlib

@@ -41,6 +41,8 @@ LAYERS: dict[str, int] = {
     "managers": 20,
     "coordinator": 30,
     "coordinator_hybrid": 30,
+    "kv_cache_blocks": 4,  # the facade's result types (block + errors only)
+    "admission": 35,  # the facade's argument checks
     "kv_cache_manager": 40,
     "__init__": 45,  # the package root re-exports the core
     # above the core
@@ -73,6 +75,8 @@ CORE = {
     "managers",
     "coordinator",
     "coordinator_hybrid",
+    "kv_cache_blocks",
+    "admission",
     "kv_cache_manager",
     "__init__",
 }

@@ -34,7 +34,7 @@ def get_group_id(key: BlockHashWithGroupId) -> int:
 
 
 def to_external_hash(block_hash: bytes, use_int: bool = True) -> ExternalBlockHash:
-    """Convert a hash for events: its low 64 bits as an int (the reference default), or the bytes."""
+    """Convert a hash for events: its low 64 bits as an int (reference default), or the bytes."""
     if use_int:
         return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF
     return bytes(block_hash)

@@ -203,18 +203,31 @@ class BlockPool:
         the tail (evicted last). Callers pass a request's blocks in reverse, so a prefix's tail
         is evicted before its head.
         """
+        if not isinstance(ordered_blocks, (list, tuple)):
+            ordered_blocks = list(ordered_blocks)  # C-level copy; lets a bad call be undone
         null_block = self.null_block
         to_head: list[KVCacheBlock] = []
         to_tail: list[KVCacheBlock] = []
-        for block in ordered_blocks:
+        for index, block in enumerate(ordered_blocks):
             if block is null_block:
                 continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            ref_cnt = block.ref_cnt - 1
+            if ref_cnt > 0:
+                block.ref_cnt = ref_cnt
+            elif ref_cnt == 0:
+                block.ref_cnt = 0
                 if block.block_hash is None:
                     to_head.append(block)
                 else:
                     to_tail.append(block)
+            else:
+                for freed in ordered_blocks[:index]:
+                    if freed is not null_block:
+                        freed.ref_cnt += 1
+                raise InvalidArgumentError(
+                    f"free_blocks: block {block.block_id} is already free (ref_cnt 0); "
+                    "were these blocks freed twice?"
+                )
         if to_head:
             self.free_block_queue.prepend_n(to_head)
         if to_tail:
@@ -260,9 +273,9 @@ class BlockPool:
             block.block_hash = block_hash
             block.hash_group_id = kv_cache_group_id
             if setdefault(block_hash, block) is not block:
-                self._duplicates[kv_cache_group_id].setdefault(block_hash, {})[
-                    block.block_id
-                ] = block
+                self._duplicates[kv_cache_group_id].setdefault(block_hash, {})[block.block_id] = (
+                    block
+                )
         if not emit:
             return
         # Events: the per-block lists are built only when blocks were skipped (rare).
@@ -285,8 +298,14 @@ class BlockPool:
         if new_hashes:
             self.kv_event_queue.append(
                 self._block_stored_event(
-                    request, block_hashes, new_hashes, new_indices, num_cached_blocks,
-                    num_full_blocks, block_size, kv_cache_group_id,
+                    request,
+                    block_hashes,
+                    new_hashes,
+                    new_indices,
+                    num_cached_blocks,
+                    num_full_blocks,
+                    block_size,
+                    kv_cache_group_id,
                 )
             )
 
@@ -382,7 +401,7 @@ class BlockPool:
         """Drop the cache entries of the given blocks; ref counts and free queue stay."""
         ids = list(block_ids)
         for block_id in ids:
-            if not isinstance(block_id, int) or not 0 <= block_id < self.num_gpu_blocks:
+            if type(block_id) is not int or not 0 <= block_id < self.num_gpu_blocks:
                 raise InvalidArgumentError(
                     f"evict_blocks: block id {block_id!r} is not in [0, {self.num_gpu_blocks})"
                 )

@@ -79,7 +79,9 @@ class FreeKVCacheBlockQueue:
         """Unlink `block` from wherever it is in the queue, in O(1)."""
         prev, nxt = block.prev_free_block, block.next_free_block
         if prev is None or nxt is None:
-            raise InvariantViolation(f"remove() called on block {block.block_id}, which is not free")
+            raise InvariantViolation(
+                f"remove() called on block {block.block_id}, which is not free"
+            )
         prev.next_free_block = nxt
         nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None

@@ -140,7 +140,9 @@ class BlockHasher:
 
     def __init__(self, algorithm: str = "sha256", block_size: int = 16, seed: str | None = None):
         if not isinstance(block_size, int) or block_size <= 0:
-            raise InvalidArgumentError(f"hash block_size must be a positive int, got {block_size!r}")
+            raise InvalidArgumentError(
+                f"hash block_size must be a positive int, got {block_size!r}"
+            )
         self.algorithm = canonical_algorithm(algorithm)
         self.block_size = block_size
         self.seed = resolve_root_seed(self.algorithm, seed)

@@ -8,96 +8,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from math import gcd, lcm
 
+from pagedkv.admission import AllocationChecker, check_count
 from pagedkv.block import KVCacheBlock
 from pagedkv.block_pool import BlockResidencyObserver
 from pagedkv.coordinator import make_coordinator
 from pagedkv.errors import (
     ConfigError,
-    ForeignBlockError,
-    GroupIndexError,
     InvalidArgumentError,
-    InvalidTypeError,
     InvariantViolation,
     RequestStateError,
 )
 from pagedkv.events import BlockStored, KVCacheEvent
+from pagedkv.kv_cache_blocks import ComputedBlocks, DecodeSlots, KVCacheBlocks
 from pagedkv.managers import FullAttentionManager
 from pagedkv.request import Request, RequestStatus
-from pagedkv.specs import KVCacheConfig, SlidingWindowSpec, cdiv
+from pagedkv.specs import KVCacheConfig, SlidingWindowSpec
 from pagedkv.stats import PrefixCacheStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class KVCacheBlocks:
-    """Blocks per KV-cache group: `blocks[g][j]` is the j-th block of group g."""
-
-    blocks: tuple[Sequence[KVCacheBlock], ...]
-
-    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(
-            tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks, strict=True))
-        )
-
-    def get_block_ids(
-        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
-    ) -> tuple[list[int], ...] | None:
-        """Block ids per group (optionally selected and reordered by `group_ids`)."""
-        if group_ids is None:
-            selected = self.blocks
-        else:
-            for group_id in group_ids:
-                if not 0 <= group_id < len(self.blocks):
-                    raise GroupIndexError(
-                        f"group index {group_id} is out of range for {len(self.blocks)} groups"
-                    )
-            selected = tuple(self.blocks[group_id] for group_id in group_ids)
-        if allow_none and all(not blocks for blocks in selected):
-            return None
-        return tuple([block.block_id for block in blocks] for blocks in selected)
-
-    def get_unhashed_block_ids(self) -> list[int]:
-        """Ids of blocks not yet in the prefix cache (exactly one group)."""
-        if len(self.blocks) != 1:
-            raise InvalidArgumentError(
-                f"get_unhashed_block_ids needs exactly one group, there are {len(self.blocks)}"
-            )
-        return [block.block_id for block in self.blocks[0] if block.block_hash is None]
-
-    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
-        return [
-            [b.block_id for b in blocks if b.block_hash is None and b.block_id != 0]
-            for blocks in self.blocks
-        ]
-
-    def new_empty(self) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple(() for _ in self.blocks))
-
-
-class DecodeSlots(NamedTuple):
-    """Result of `allocate_decode_slots`."""
-
-    num_allocated: int
-    requests_with_new_blocks: list[Request]
-
-
-class ComputedBlocks(NamedTuple):
-    """Result of `get_computed_blocks`: hit blocks, hit tokens, shared-prefix boundary."""
-
-    blocks: KVCacheBlocks
-    num_computed_tokens: int
-    shared_prefix_boundary: int
-
-
-def _check_count(name: str, value: object, minimum: int = 0) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidTypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
 
 
 class KVCacheManager:
@@ -123,17 +53,17 @@ class KVCacheManager:
     ) -> None:
         if not isinstance(kv_cache_config, KVCacheConfig):
             raise ConfigError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
-        _check_count("max_model_len", max_model_len, 1)
+        check_count("max_model_len", max_model_len, 1)
         if not isinstance(watermark, (int, float)) or not 0.0 <= watermark < 1.0:
             raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark!r}")
         groups = kv_cache_config.kv_cache_groups
         block_sizes = [g.kv_cache_spec.block_size for g in groups]
         if scheduler_block_size is None:
-            scheduler_block_size = _lcm(block_sizes) if block_sizes else 1
+            scheduler_block_size = lcm(*block_sizes) if block_sizes else 1
         if hash_block_size is None:
-            hash_block_size = _gcd(block_sizes) if block_sizes else 1
-        _check_count("scheduler_block_size", scheduler_block_size, 1)
-        _check_count("hash_block_size", hash_block_size, 1)
+            hash_block_size = gcd(*block_sizes) if block_sizes else 1
+        check_count("scheduler_block_size", scheduler_block_size, 1)
+        check_count("hash_block_size", hash_block_size, 1)
         if scheduler_block_size % hash_block_size:
             raise ConfigError(
                 f"scheduler_block_size {scheduler_block_size} is not a multiple of "
@@ -146,7 +76,7 @@ class KVCacheManager:
                     f"scheduler_block_size {scheduler_block_size}"
                 )
         if max_in_flight_tokens is not None:
-            _check_count("max_in_flight_tokens", max_in_flight_tokens, 1)
+            check_count("max_in_flight_tokens", max_in_flight_tokens, 1)
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.scheduler_block_size = scheduler_block_size
@@ -181,13 +111,19 @@ class KVCacheManager:
         )
         # Shared immutable results; callers may test them with `is`.
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
-        self._empty_hits: tuple[Sequence[KVCacheBlock], ...] = tuple(() for _ in groups)
         # Live requests (holding blocks) by id, to reject a reused id.
         self._requests: dict[str, Request] = {}
         self._empty_computed = ComputedBlocks(self.empty_kv_cache_blocks, 0, 0)
-        # The last lookup result handed out, with the request and the pool's eviction epoch:
-        # if it comes straight back to allocate_slots unchanged, its blocks need no re-check.
-        self._last_lookup: tuple[Request | None, KVCacheBlocks | None, int] = (None, None, -1)
+        self._checker = AllocationChecker(
+            self._requests,
+            self.coordinator.single_type_managers,
+            self.block_pool,
+            max_model_len,
+            enable_caching,
+            hash_block_size,
+            self.empty_kv_cache_blocks,
+        )
+        self._empty_hits = self._checker.empty_hits
         # Hot path: with one full-attention group (the common case), decode steps and lookups
         # skip the coordinator and go straight to that group's tables and hash map.
         managers = self.coordinator.single_type_managers
@@ -250,7 +186,7 @@ class KVCacheManager:
             result = self.create_kv_cache_blocks(hit_blocks)
             if result is self.empty_kv_cache_blocks:
                 return self._empty_computed
-        self._last_lookup = (request, result, self.block_pool.eviction_epoch)
+        self._checker.record_lookup(request, result)
         return ComputedBlocks(result, num_hit_tokens, 0)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
@@ -308,7 +244,7 @@ class KVCacheManager:
             and num_new_tokens > 0
         ):
             return self._allocate_running(request, num_new_tokens, delay_cache_blocks)
-        hits = self._validate_allocation(
+        hits = self._checker.check_allocation(
             request,
             num_new_tokens,
             num_new_computed_tokens,
@@ -378,7 +314,7 @@ class KVCacheManager:
         """
         total_tokens = request.num_computed_tokens + num_new_tokens
         if total_tokens > self.max_model_len:
-            self._validate_allocation(request, num_new_tokens, 0, None, 0, 0, 0, 0)
+            self._checker.check_allocation(request, num_new_tokens, 0, None, 0, 0, 0, 0)
         manager = self._fast_manager
         block_size = manager.block_size  # type: ignore[union-attr]
         blocks = manager.req_to_blocks[request.request_id]  # type: ignore[union-attr]
@@ -412,7 +348,7 @@ class KVCacheManager:
             `DecodeSlots(num_allocated, requests_with_new_blocks)`: how many requests from
             `start` got their slot, and those of them that needed a new block.
         """
-        _check_count("start", start)
+        check_count("start", start)
         manager = self._fast_manager
         num_requests = len(requests)
         live = self._requests
@@ -461,7 +397,7 @@ class KVCacheManager:
                     f"allocate_decode_slots: request {request.request_id!r} holds no blocks "
                     "here; admit it with allocate_slots first"
                 )
-            self._validate_allocation(request, 1, 0, None, 0, 0, 0, 0)
+            self._checker.check_allocation(request, 1, 0, None, 0, 0, 0, 0)
         with_new_blocks: list[Request] = []
         for index in range(start, len(requests)):
             new_blocks = self.allocate_slots(requests[index], 1)
@@ -470,159 +406,6 @@ class KVCacheManager:
             if new_blocks is not self.empty_kv_cache_blocks:
                 with_new_blocks.append(requests[index])
         return DecodeSlots(len(requests) - start, with_new_blocks)
-
-    def _validate_allocation(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: KVCacheBlocks | None,
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-        num_encoder_tokens: int,
-        reserved_blocks: int,
-    ) -> tuple[Sequence[KVCacheBlock], ...]:
-        """Check every argument against the current state; return the hit lists per group."""
-        if not isinstance(request, Request):
-            raise InvalidTypeError(f"request must be a pagedkv Request, got {type(request).__name__}")
-        counts = (
-            num_new_tokens,
-            num_new_computed_tokens,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            num_encoder_tokens,
-            reserved_blocks,
-        )
-        # One pass in the common case; the named checks below only to word the error.
-        if not all(type(count) is int and count >= 0 for count in counts):
-            names = (
-                "num_new_tokens",
-                "num_new_computed_tokens",
-                "num_lookahead_tokens",
-                "num_external_computed_tokens",
-                "num_encoder_tokens",
-                "reserved_blocks",
-            )
-            for name, count in zip(names, counts, strict=True):
-                _check_count(name, count)
-        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
-            raise InvalidArgumentError(
-                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
-            )
-        request_id = request.request_id
-        if request.status > RequestStatus.PREEMPTED:
-            raise RequestStateError(
-                f"request {request_id!r} is {request.status.name}; it cannot get blocks"
-            )
-        live = self._requests.get(request_id)
-        if live is not None and live is not request:
-            raise RequestStateError(
-                f"request id {request_id!r} is reused by a different request while the first "
-                "still holds blocks; free it first"
-            )
-        total_tokens = (
-            request.num_computed_tokens
-            + num_new_computed_tokens
-            + num_external_computed_tokens
-            + num_new_tokens
-        )
-        if total_tokens > self.max_model_len:
-            raise InvalidArgumentError(
-                f"request {request_id!r}: {total_tokens} tokens (computed "
-                f"{request.num_computed_tokens} + new computed {num_new_computed_tokens} + "
-                f"external {num_external_computed_tokens} + new {num_new_tokens}) exceed "
-                f"max_model_len {self.max_model_len}"
-            )
-        if self.enable_caching and live is None:
-            hasher = request.block_hasher
-            if hasher is None:
-                raise RequestStateError(
-                    f"request {request_id!r} has no block hasher, but prefix caching is on; "
-                    "build it with block_hasher=make_request_block_hasher(...)"
-                )
-            if hasher.hash_block_size != self.hash_block_size:
-                raise ConfigError(
-                    f"request {request_id!r} is hashed in blocks of {hasher.hash_block_size} "
-                    f"tokens; this manager needs {self.hash_block_size}"
-                )
-        if new_computed_blocks is None or new_computed_blocks is self.empty_kv_cache_blocks:
-            if num_new_computed_tokens:
-                raise InvalidArgumentError(
-                    f"num_new_computed_tokens={num_new_computed_tokens} without hit blocks"
-                )
-            return self._empty_hits
-        return self._validate_hits(request, num_new_computed_tokens, new_computed_blocks)
-
-    def _validate_hits(
-        self, request: Request, num_new_computed_tokens: int, new_computed_blocks: KVCacheBlocks
-    ) -> tuple[Sequence[KVCacheBlock], ...]:
-        request_id = request.request_id
-        hits = new_computed_blocks.blocks
-        if len(hits) != self.num_kv_cache_groups:
-            raise GroupIndexError(
-                f"new_computed_blocks has {len(hits)} groups; the manager has "
-                f"{self.num_kv_cache_groups}"
-            )
-        if all(not group for group in hits):
-            if num_new_computed_tokens:
-                raise InvalidArgumentError(
-                    f"num_new_computed_tokens={num_new_computed_tokens} without hit blocks"
-                )
-            return self._empty_hits
-        if request_id in self._requests or request.num_computed_tokens:
-            raise RequestStateError(
-                f"request {request_id!r} already has computed tokens; prefix-hit blocks can "
-                "only be adopted by a request that starts (or restarts after preemption)"
-            )
-        looked_up_request, looked_up_blocks, epoch = self._last_lookup
-        if (
-            looked_up_blocks is new_computed_blocks
-            and looked_up_request is request
-            and epoch == self.block_pool.eviction_epoch
-        ):
-            # Hot path: our own lookup for this request, with no eviction since: every block
-            # is still cached under the request's hashes. Only the token count is checked.
-            for manager, blocks in zip(self.coordinator.single_type_managers, hits, strict=True):
-                if len(blocks) != cdiv(num_new_computed_tokens, manager.block_size):
-                    raise InvalidArgumentError(
-                        f"num_new_computed_tokens={num_new_computed_tokens} but the lookup "
-                        f"found {len(blocks)} blocks of {manager.block_size} tokens"
-                    )
-            return hits
-        pool_blocks = self.block_pool.blocks
-        null_block = self.block_pool.null_block
-        for group_id, (manager, blocks) in enumerate(
-            zip(self.coordinator.single_type_managers, hits, strict=True)
-        ):
-            # Exactly the blocks covering the hit: extra hit blocks would be counted as cached
-            # while their tokens are still to be computed (into shared blocks).
-            if len(blocks) != cdiv(num_new_computed_tokens, manager.block_size):
-                raise InvalidArgumentError(
-                    f"num_new_computed_tokens={num_new_computed_tokens} but group {group_id} "
-                    f"has {len(blocks)} hit blocks of {manager.block_size} tokens"
-                )
-            hashes = manager.resolve_hashes(request.block_hashes)
-            for index, block in enumerate(blocks):
-                if block is null_block:
-                    continue
-                block_id = block.block_id
-                if not (0 <= block_id < len(pool_blocks)) or pool_blocks[block_id] is not block:
-                    raise ForeignBlockError(
-                        f"hit block {block_id} of request {request_id!r} does not belong to "
-                        "this manager's pool"
-                    )
-                if (
-                    block.block_hash is None
-                    or index >= len(hashes)
-                    or block.block_hash != hashes[index]
-                    or block.hash_group_id != group_id
-                ):
-                    raise ForeignBlockError(
-                        f"hit block {block_id} (position {index}, group {group_id}) is not "
-                        f"cached under request {request_id!r}'s hash: a stale or foreign "
-                        "get_computed_blocks result"
-                    )
-        return hits
 
     # ------------------------------------------------------------------ freeing
 
@@ -645,14 +428,14 @@ class KVCacheManager:
         return self.coordinator.pop_blocks_for_free(request.request_id)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
-        _check_count("processed_computed_tokens", processed_computed_tokens)
+        check_count("processed_computed_tokens", processed_computed_tokens)
         self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's full blocks up to `num_computed_tokens` (async scheduling)."""
         if not self.enable_caching:
             return
-        _check_count("num_computed_tokens", num_computed_tokens)
+        check_count("num_computed_tokens", num_computed_tokens)
         if num_computed_tokens > request.num_tokens:
             raise InvalidArgumentError(
                 f"cannot cache {num_computed_tokens} tokens of request {request.request_id!r}: "
@@ -723,18 +506,3 @@ class KVCacheManager:
         usage = self.usage
         if not 0.0 <= usage <= 1.0:
             raise InvariantViolation(f"usage {usage} outside [0, 1]")
-
-
-def _gcd(values: Sequence[int]) -> int:
-    from math import gcd
-
-    result = 0
-    for value in values:
-        result = gcd(result, value)
-    return result
-
-
-def _lcm(values: Sequence[int]) -> int:
-    from math import lcm
-
-    return lcm(*values)

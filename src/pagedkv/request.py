@@ -184,7 +184,9 @@ class Request:
             return
         else:
             if isinstance(token_ids, (str, bytes, bool)) or not isinstance(token_ids, Sequence):
-                raise InvalidTypeError(f"token_ids must be an int or a sequence of int: {token_ids!r}")
+                raise InvalidTypeError(
+                    f"token_ids must be an int or a sequence of int: {token_ids!r}"
+                )
             pack_token_ids(token_ids)
             self.all_token_ids.extend(token_ids)
             self.num_tokens += len(token_ids)

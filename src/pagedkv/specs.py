@@ -22,7 +22,9 @@ def cdiv(numerator: int, denominator: int) -> int:
 def _check_positive(spec: object, **values: int | None) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{type(spec).__name__}: {name} must be a positive int, got {value!r}")
+            raise ConfigError(
+                f"{type(spec).__name__}: {name} must be a positive int, got {value!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,9 @@ class AttentionSpec(KVCacheSpec):
     @property
     def real_page_size_bytes(self) -> int:
         head_size_v = self.head_size if self.head_size_v is None else self.head_size_v
-        return self.block_size * self.num_kv_heads * (self.head_size + head_size_v) * self.dtype_bytes
+        return (
+            self.block_size * self.num_kv_heads * (self.head_size + head_size_v) * self.dtype_bytes
+        )
 
     @property
     def page_size_bytes(self) -> int:
@@ -157,7 +161,7 @@ class SlidingWindowSpec(AttentionSpec):
 
 @dataclass(frozen=True)
 class ChunkedLocalAttentionSpec(AttentionSpec):
-    """Chunked local attention (Llama 4): a token attends within its `attention_chunk_size` chunk."""
+    """Chunked local attention (Llama 4): a token attends within its own chunk."""
 
     attention_chunk_size: int
     kind: ClassVar[str] = "chunked_local_attention"
@@ -212,9 +216,12 @@ class MambaSpec(KVCacheSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.shapes or any(
-            not shape or any(not isinstance(d, int) or d <= 0 for d in shape) for shape in self.shapes
+            not shape or any(not isinstance(d, int) or d <= 0 for d in shape)
+            for shape in self.shapes
         ):
-            raise ConfigError(f"MambaSpec: shapes must be non-empty positive dims, got {self.shapes!r}")
+            raise ConfigError(
+                f"MambaSpec: shapes must be non-empty positive dims, got {self.shapes!r}"
+            )
         sizes = self.dtype_bytes if isinstance(self.dtype_bytes, tuple) else (self.dtype_bytes,)
         if isinstance(self.dtype_bytes, tuple) and len(sizes) != len(self.shapes):
             raise ConfigError(

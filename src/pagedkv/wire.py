@@ -116,9 +116,7 @@ def _int64_hashes(block_hashes: list) -> list:
     # Hot path: one comprehension, no call per hash; the low 64 bits of a digest are its last
     # 8 bytes read big-endian. Hashes already external (decoded events) pass through.
     from_bytes = int.from_bytes
-    return [
-        from_bytes(h[-_LOW_64_BITS:], "big") if type(h) is bytes else h for h in block_hashes
-    ]
+    return [from_bytes(h[-_LOW_64_BITS:], "big") if type(h) is bytes else h for h in block_hashes]
 
 
 def _same_hashes(block_hashes: list) -> list:

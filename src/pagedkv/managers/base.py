@@ -104,7 +104,9 @@ class SingleTypeKVCacheManager:
         req_blocks.extend(kept)
         self.num_cached_block[request_id] = len(req_blocks)
 
-    def allocate_external_computed_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+    def allocate_external_computed_blocks(
+        self, request_id: str, total_computed_tokens: int
+    ) -> None:
         """Pad the table with null blocks up to the positions no longer needed.
 
         Phase two of admission (after every group adopted its hits): tokens loaded from outside
@@ -156,7 +158,7 @@ class SingleTypeKVCacheManager:
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(blocks[::-1])
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         """Forget the request's table and return its blocks (in order) for a deferred free."""
@@ -164,7 +166,7 @@ class SingleTypeKVCacheManager:
         return self.req_to_blocks.pop(request_id, [])
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Replace blocks no longer needed by the null block and free them (longest prefix first)."""
+        """Replace no longer needed blocks by the null block; free them, longest prefix first."""
         num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
         if num_skipped_tokens <= 0:
             return

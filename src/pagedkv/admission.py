@@ -1,0 +1,223 @@
+"""Admission checks for the facade: every `allocate_slots` argument against the current state.
+
+Raises a specific `PagedKVError` naming the bad value before anything changes. Knows the live
+request registry and the pool, never allocates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedkv.block import KVCacheBlock
+from pagedkv.block_pool import BlockPool
+from pagedkv.errors import (
+    ConfigError,
+    ForeignBlockError,
+    GroupIndexError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    RequestStateError,
+)
+from pagedkv.kv_cache_blocks import KVCacheBlocks
+from pagedkv.managers import SingleTypeKVCacheManager
+from pagedkv.request import Request, RequestStatus
+from pagedkv.specs import cdiv
+
+
+def check_count(name: str, value: object, minimum: int = 0) -> None:
+    """Raise unless `value` is an int (not bool) >= `minimum`, naming it."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidTypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+
+
+class AllocationChecker:
+    """Validates allocations against the facade's state (shared, not copied).
+
+    `live_requests` is the facade's registry of requests holding blocks; `last_lookup` is the
+    last `get_computed_blocks` result handed out, with its request and the pool's eviction
+    epoch: if it comes straight back unchanged, its blocks need no per-block re-check.
+    """
+
+    def __init__(
+        self,
+        live_requests: dict[str, Request],
+        managers: Sequence[SingleTypeKVCacheManager],
+        block_pool: BlockPool,
+        max_model_len: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        empty_kv_cache_blocks: KVCacheBlocks,
+    ) -> None:
+        self.live_requests = live_requests
+        self.managers = tuple(managers)
+        self.block_pool = block_pool
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.num_kv_cache_groups = len(self.managers)
+        self.empty_kv_cache_blocks = empty_kv_cache_blocks
+        self.empty_hits: tuple[Sequence[KVCacheBlock], ...] = tuple(() for _ in self.managers)
+        self.last_lookup: tuple[Request | None, KVCacheBlocks | None, int] = (None, None, -1)
+
+    def record_lookup(self, request: Request, result: KVCacheBlocks) -> None:
+        """Remember a lookup result handed out, at the pool's current eviction epoch."""
+        self.last_lookup = (request, result, self.block_pool.eviction_epoch)
+
+    def check_allocation(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        num_encoder_tokens: int,
+        reserved_blocks: int,
+    ) -> tuple[Sequence[KVCacheBlock], ...]:
+        """Check every argument against the current state; return the hit lists per group."""
+        if not isinstance(request, Request):
+            raise InvalidTypeError(
+                f"request must be a pagedkv Request, got {type(request).__name__}"
+            )
+        counts = (
+            num_new_tokens,
+            num_new_computed_tokens,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            num_encoder_tokens,
+            reserved_blocks,
+        )
+        # One pass in the common case; the named checks below only to word the error.
+        if not all(type(count) is int and count >= 0 for count in counts):
+            names = (
+                "num_new_tokens",
+                "num_new_computed_tokens",
+                "num_lookahead_tokens",
+                "num_external_computed_tokens",
+                "num_encoder_tokens",
+                "reserved_blocks",
+            )
+            for name, count in zip(names, counts, strict=True):
+                check_count(name, count)
+        if (
+            num_new_tokens == 0
+            and num_external_computed_tokens == 0
+            and num_new_computed_tokens == 0
+        ):
+            raise InvalidArgumentError(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
+            )
+        request_id = request.request_id
+        if request.status > RequestStatus.PREEMPTED:
+            raise RequestStateError(
+                f"request {request_id!r} is {request.status.name}; it cannot get blocks"
+            )
+        live = self.live_requests.get(request_id)
+        if live is not None and live is not request:
+            raise RequestStateError(
+                f"request id {request_id!r} is reused by a different request while the first "
+                "still holds blocks; free it first"
+            )
+        total_tokens = (
+            request.num_computed_tokens
+            + num_new_computed_tokens
+            + num_external_computed_tokens
+            + num_new_tokens
+        )
+        if total_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: {total_tokens} tokens (computed "
+                f"{request.num_computed_tokens} + new computed {num_new_computed_tokens} + "
+                f"external {num_external_computed_tokens} + new {num_new_tokens}) exceed "
+                f"max_model_len {self.max_model_len}"
+            )
+        if self.enable_caching and live is None:
+            hasher = request.block_hasher
+            if hasher is None:
+                raise RequestStateError(
+                    f"request {request_id!r} has no block hasher, but prefix caching is on; "
+                    "build it with block_hasher=make_request_block_hasher(...)"
+                )
+            if hasher.hash_block_size != self.hash_block_size:
+                raise ConfigError(
+                    f"request {request_id!r} is hashed in blocks of {hasher.hash_block_size} "
+                    f"tokens; this manager needs {self.hash_block_size}"
+                )
+        if new_computed_blocks is None or new_computed_blocks is self.empty_kv_cache_blocks:
+            if num_new_computed_tokens:
+                raise InvalidArgumentError(
+                    f"num_new_computed_tokens={num_new_computed_tokens} without hit blocks"
+                )
+            return self.empty_hits
+        return self.check_hits(request, num_new_computed_tokens, new_computed_blocks)
+
+    def check_hits(
+        self, request: Request, num_new_computed_tokens: int, new_computed_blocks: KVCacheBlocks
+    ) -> tuple[Sequence[KVCacheBlock], ...]:
+        request_id = request.request_id
+        hits = new_computed_blocks.blocks
+        if len(hits) != self.num_kv_cache_groups:
+            raise GroupIndexError(
+                f"new_computed_blocks has {len(hits)} groups; the manager has "
+                f"{self.num_kv_cache_groups}"
+            )
+        if all(not group for group in hits):
+            if num_new_computed_tokens:
+                raise InvalidArgumentError(
+                    f"num_new_computed_tokens={num_new_computed_tokens} without hit blocks"
+                )
+            return self.empty_hits
+        if request_id in self.live_requests or request.num_computed_tokens:
+            raise RequestStateError(
+                f"request {request_id!r} already has computed tokens; prefix-hit blocks can "
+                "only be adopted by a request that starts (or restarts after preemption)"
+            )
+        looked_up_request, looked_up_blocks, epoch = self.last_lookup
+        if (
+            looked_up_blocks is new_computed_blocks
+            and looked_up_request is request
+            and epoch == self.block_pool.eviction_epoch
+        ):
+            # Hot path: our own lookup for this request, with no eviction since: every block
+            # is still cached under the request's hashes. Only the token count is checked.
+            for manager, blocks in zip(self.managers, hits, strict=True):
+                if len(blocks) != cdiv(num_new_computed_tokens, manager.block_size):
+                    raise InvalidArgumentError(
+                        f"num_new_computed_tokens={num_new_computed_tokens} but the lookup "
+                        f"found {len(blocks)} blocks of {manager.block_size} tokens"
+                    )
+            return hits
+        pool_blocks = self.block_pool.blocks
+        null_block = self.block_pool.null_block
+        for group_id, (manager, blocks) in enumerate(zip(self.managers, hits, strict=True)):
+            # Exactly the blocks covering the hit: extra hit blocks would be counted as cached
+            # while their tokens are still to be computed (into shared blocks).
+            if len(blocks) != cdiv(num_new_computed_tokens, manager.block_size):
+                raise InvalidArgumentError(
+                    f"num_new_computed_tokens={num_new_computed_tokens} but group {group_id} "
+                    f"has {len(blocks)} hit blocks of {manager.block_size} tokens"
+                )
+            hashes = manager.resolve_hashes(request.block_hashes)
+            for index, block in enumerate(blocks):
+                if block is null_block:
+                    continue
+                block_id = block.block_id
+                if not (0 <= block_id < len(pool_blocks)) or pool_blocks[block_id] is not block:
+                    raise ForeignBlockError(
+                        f"hit block {block_id} of request {request_id!r} does not belong to "
+                        "this manager's pool"
+                    )
+                if (
+                    block.block_hash is None
+                    or index >= len(hashes)
+                    or block.block_hash != hashes[index]
+                    or block.hash_group_id != group_id
+                ):
+                    raise ForeignBlockError(
+                        f"hit block {block_id} (position {index}, group {group_id}) is not "
+                        f"cached under request {request_id!r}'s hash: a stale or foreign "
+                        "get_computed_blocks result"
+                    )
+        return hits
