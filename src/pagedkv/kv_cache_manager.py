@@ -226,6 +226,9 @@ class KVCacheManager:
             The newly allocated blocks per group (the shared empty value if none), or None if
             they do not fit, in which case nothing was allocated.
         """
+        # Hot path: a running request's decode step (or next prefill chunk) on one full-attention
+        # group passes none of the optional arguments; it skips their checks, the coordinator
+        # and the hit machinery. `_allocate_running` gives exactly the general path's result.
         if (
             new_computed_blocks is None
             and self._fast_manager is not None
