@@ -465,10 +465,10 @@ class Replay:
                 f"{self.max_model_len}; pass a larger --max-model-len to both drivers)"
             ) from exc
         wall = perf_counter() - wall0
-        if self.args.no_gc:
-            gc.enable()
         if self.args.gc_stats:
             gc.callbacks.remove(self.gc_stats.on_gc)
+        if self.args.no_gc:
+            gc.enable()
         return wall
 
     # ------------------------------------------------------------------ report
