@@ -208,7 +208,8 @@ def _serve_rows(
     if "model" in config:
         setup = (
             f"KV layout from {config['model']}, cost model {config['profile'] or 'custom'}; "
-            f"{config['num_blocks']:,} blocks shared by {len(config['kv_cache_groups'])} groups"
+            f"{config['num_blocks']:,} blocks shared by {len(config['kv_cache_groups'])} "
+            f"group{'s' if len(config['kv_cache_groups']) != 1 else ''}"
         )
     else:
         setup = (
