@@ -73,6 +73,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: what the profile's GPU memory holds)",
     )
     sim.add_argument(
+        "--model",
+        metavar="NAME_OR_CONFIG",
+        help="take the KV-cache groups (full, sliding window, chunked local, Mamba...) and "
+        "num_blocks from this model (a shipped name such as gemma-3-12b-it, a config.json or "
+        "a model directory) sized for --memory; default: one synthetic full-attention group",
+    )
+    sim.add_argument(
+        "--memory",
+        metavar="SIZE",
+        help="with --model: KV-cache memory budget (80GiB, 80GB, 512MiB or bytes)",
+    )
+    sim.add_argument(
         "--hash-algorithm",
         default="sha256",
         choices=("sha256", "sha256_cbor", "xxh3_128"),
@@ -186,6 +198,17 @@ def _run(args: argparse.Namespace) -> int:
         raise _error(f"--block-size must be >= 1, got {args.block_size}")
     if args.mode == "replay" and (args.profile or args.cost):
         raise _error("--profile and --cost apply to --mode serve only")
+    if args.memory and not args.model:
+        raise _error("--memory sizes the KV cache of a --model: name one")
+    if args.model and args.mode == "serve" and (args.capacity or not args.memory):
+        raise _error("--mode serve with --model takes --memory (and no --capacity)")
+    if args.model and args.mode == "replay" and bool(args.capacity) == bool(args.memory):
+        raise _error(
+            "--mode replay with --model takes --memory (one point at the sized num_blocks) "
+            "or --capacity (blocks of the pool the groups share), not both"
+        )
+    if args.model and _cluster.wanted(args):
+        raise _error("--model is not supported with a cluster (--instances) yet")
     trace = _load(args)
     show_progress = not (args.json or args.no_progress) and sys.stderr.isatty()
     if _cluster.wanted(args):
@@ -250,20 +273,38 @@ def _replay(args: argparse.Namespace, trace: Any, show_progress: bool) -> tuple:
     from pagedkv.sim.report import Speed, replay_report
 
     capacities: list[int | None]
+    groups = model_name = None
     if args.capacity:
         capacities = replay.parse_capacities(args.capacity, args.block_size)
+        if args.model:
+            model_name, groups = _model_groups(args)
+    elif args.model:
+        # Replay allocates whole prompts at once: size for the longest, nothing in flight saved.
+        max_model_len = max((r.num_prompt_tokens for r in trace.requests), default=1)
+        model_name, sizing = _size_model(args, max_model_len, max_in_flight_tokens=None)
+        groups = sizing.kv_cache_config.kv_cache_groups
+        capacities = [sizing.num_blocks - 1]  # usable blocks: the null block aside
     else:
         capacities = list(replay.default_capacities(trace, args.block_size))
     progress = _Progress(len(trace.requests), "replaying", show_progress)
     start = time.perf_counter()
     try:
-        points = replay.replay(trace, capacities, args.block_size, args.hash_algorithm, progress)
+        points = replay.replay(
+            trace,
+            capacities,
+            args.block_size,
+            args.hash_algorithm,
+            progress,
+            kv_cache_groups=groups,
+        )
     finally:
         progress.close()
     wall_s = time.perf_counter() - start
     num_managers = max(1, sum(1 for capacity in capacities if capacity is not None))
     speed = Speed(wall_s, trace.num_prompt_tokens * num_managers)
-    the_report = replay_report(trace, points, args.block_size, args.hash_algorithm)
+    the_report = replay_report(
+        trace, points, args.block_size, args.hash_algorithm, model_name, groups
+    )
 
     def plot(path: str) -> None:
         from pagedkv.sim.plot import plot_replay
@@ -286,7 +327,8 @@ def _serve(args: argparse.Namespace, trace: Any, cost_model: Any, show_progress:
         progress.close()
     wall_s = time.perf_counter() - start
     speed = Speed(wall_s, result.summary["tokens"]["prompt"])
-    the_report = serve_report(trace, config, profile_name, result)
+    model_name = _model_name(args.model) if args.model else None
+    the_report = serve_report(trace, config, profile_name, result, model_name)
 
     def plot(path: str) -> None:
         from pagedkv.sim.plot import plot_serve
@@ -306,14 +348,28 @@ def _serve_config(args: argparse.Namespace, cost_model: Any) -> tuple[Any, str |
     model = profile.cost_model()
     if args.cost:
         model = model.with_overrides(cost_model.parse_cost_overrides(args.cost))
-    if args.capacity:
-        capacities = parse_capacities(args.capacity, args.block_size)
-        if len(capacities) != 1 or capacities[0] is None:
-            raise _error("--mode serve takes one finite --capacity (a sweep is for replay)")
-        num_blocks = capacities[0]
+    kv_cache_config = None
+    if args.model:
+        _, sizing = _size_model(
+            args,
+            args.max_model_len,
+            max_in_flight_tokens=args.max_num_batched_tokens,
+            max_model_len_limit=profile.max_model_len,
+        )
+        kv_cache_config = sizing.kv_cache_config
+        num_blocks = kv_cache_config.num_blocks - 1  # usable blocks: the null block aside
+        max_model_len = sizing.max_model_len
     else:
-        num_blocks = profile.num_kv_blocks(args.block_size)
-    max_model_len = args.max_model_len or min(profile.max_model_len, num_blocks * args.block_size)
+        if args.capacity:
+            capacities = parse_capacities(args.capacity, args.block_size)
+            if len(capacities) != 1 or capacities[0] is None:
+                raise _error("--mode serve takes one finite --capacity (a sweep is for replay)")
+            num_blocks = capacities[0]
+        else:
+            num_blocks = profile.num_kv_blocks(args.block_size)
+        max_model_len = args.max_model_len or min(
+            profile.max_model_len, num_blocks * args.block_size
+        )
     config = ServeConfig(
         num_blocks=num_blocks,
         cost_model=model,
@@ -332,8 +388,69 @@ def _serve_config(args: argparse.Namespace, cost_model: Any) -> tuple[Any, str |
         enable_prefix_caching=not args.no_prefix_caching,
         watermark=args.watermark,
         hash_algorithm=args.hash_algorithm,
+        kv_cache_config=kv_cache_config,
     )
     return config, profile.name if not args.cost else None
+
+
+def _model_name(model: str) -> str:
+    from pagedkv.model_config import load_model_description
+
+    return load_model_description(model).name
+
+
+def _model_groups(args: argparse.Namespace) -> tuple[str, Any]:
+    """The model's name and KV-cache groups (no memory budget: the pool size comes elsewhere)."""
+    from pagedkv.model_config import load_model_description
+    from pagedkv.sizing import get_kv_cache_layout
+
+    description = load_model_description(args.model, block_size=args.block_size)
+    return description.name, get_kv_cache_layout(description.layer_to_spec).groups
+
+
+def _size_model(
+    args: argparse.Namespace,
+    max_model_len: int | None,
+    *,
+    max_in_flight_tokens: int | None,
+    max_model_len_limit: int | None = None,
+) -> tuple[str, Any]:
+    """The model's name and `SizingResult` for `--memory`.
+
+    With no `max_model_len`, the longest that fits the budget, up to `max_model_len_limit` and
+    the model's max_position_embeddings (as the default path caps it by capacity).
+    """
+    from pagedkv.cli.size import parse_memory_bytes
+    from pagedkv.model_config import load_model_description
+    from pagedkv.sizing import estimate_max_model_len, get_kv_cache_layout, size_kv_cache
+
+    memory_bytes = parse_memory_bytes(args.memory)
+    description = load_model_description(args.model, block_size=args.block_size)
+    if max_model_len is None:
+        limits = [
+            limit
+            for limit in (max_model_len_limit, description.max_position_embeddings)
+            if limit is not None
+        ]
+        if not limits:
+            raise _error(
+                f"{description.source} names no max_position_embeddings: pass --max-model-len"
+            )
+        max_model_len = estimate_max_model_len(
+            get_kv_cache_layout(description.layer_to_spec),
+            memory_bytes,
+            min(limits),
+            max_in_flight_tokens=max_in_flight_tokens,
+        )
+        if max_model_len == 0:
+            raise _error(f"--memory {args.memory} holds no request of {description.name}")
+    sizing = size_kv_cache(
+        description.layer_to_spec,
+        memory_bytes,
+        max_model_len,
+        max_in_flight_tokens=max_in_flight_tokens,
+    )
+    return description.name, sizing
 
 
 def _print_table(report_module: Any, the_report: dict, speed: Any) -> None:

@@ -92,15 +92,31 @@ def replay(
     block_size: int = 16,
     hash_algorithm: str = "sha256",
     progress: ProgressCallback | None = None,
+    kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
 ) -> list[ReplayPoint]:
-    """Replay the trace once against a pool of each capacity; results in the given order."""
+    """Replay the trace once against a pool of each capacity; results in the given order.
+
+    `kv_cache_groups`: a real model's KV-cache groups (`pagedkv.sizing.get_kv_cache_layout`)
+    instead of one synthetic full-attention group of `block_size`. Each capacity is then the
+    block count of a pool shared by all groups, requests are hashed at the managers'
+    `hash_block_size` (the gcd of the group block sizes), and an unlimited capacity is refused:
+    the set-of-seen-blocks shortcut is exact for full attention only.
+    """
     if not capacities_blocks:
         raise InvalidArgumentError("replay needs at least one capacity")
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype_bytes=1)
-    group = KVCacheGroupSpec(("layer",), spec)
+    if kv_cache_groups is None:
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype_bytes=1)
+        groups: tuple[KVCacheGroupSpec, ...] = (KVCacheGroupSpec(("layer",), spec),)
+    else:
+        if None in capacities_blocks:
+            raise InvalidArgumentError(
+                "an unlimited capacity needs the synthetic full-attention layout, "
+                "not a model's KV-cache groups"
+            )
+        groups = tuple(kv_cache_groups)
     max_model_len = max(request.num_prompt_tokens for request in trace.requests)
     managers = [
-        KVCacheManager(KVCacheConfig(capacity + 1, (group,)), max_model_len)
+        KVCacheManager(KVCacheConfig(capacity + 1, groups), max_model_len)
         for capacity in capacities_blocks
         if capacity is not None
     ]
@@ -108,7 +124,8 @@ def replay(
     hits = [0] * len(capacities_blocks)
     not_fit = [0] * len(capacities_blocks)
     unlimited = _UnlimitedCache(block_size) if None in capacities_blocks else None
-    hasher = make_request_block_hasher(block_size, hash_algorithm)
+    hash_block_size = managers[0].hash_block_size if managers else block_size
+    hasher = make_request_block_hasher(hash_block_size, hash_algorithm)
     for index, trace_request in enumerate(trace.requests):
         request = Request(
             trace_request.request_id, trace_request.prompt_token_ids(), block_hasher=hasher

@@ -15,6 +15,7 @@ from typing import Any
 from pagedkv.sim.replay import ReplayPoint
 from pagedkv.sim.serve import ServeConfig, ServeResult
 from pagedkv.sim.traces import Trace
+from pagedkv.specs import KVCacheGroupSpec
 
 REPORT_FORMAT = "pagedkv.simulate/1"
 _SPARK = "▁▂▃▄▅▆▇█"
@@ -33,19 +34,52 @@ class Speed:
         return self.num_prompt_tokens_simulated / self.wall_s if self.wall_s > 0 else 0.0
 
 
+def kv_cache_groups_report(groups: Sequence[KVCacheGroupSpec]) -> list[dict[str, Any]]:
+    """Kind, block size, layer count and window or chunk of each group, in group order."""
+    rows = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        row: dict[str, Any] = {
+            "kind": spec.kind,
+            "block_size": spec.block_size,
+            "num_layers": len(group.layer_names),
+        }
+        for name in ("sliding_window", "attention_chunk_size"):
+            if getattr(spec, name, None) is not None:
+                row[name] = getattr(spec, name)
+        rows.append(row)
+    return rows
+
+
+def _model_config(model_name: str, groups: Sequence[KVCacheGroupSpec]) -> dict[str, Any]:
+    return {"model": model_name, "kv_cache_groups": kv_cache_groups_report(groups)}
+
+
 def replay_report(
-    trace: Trace, points: Sequence[ReplayPoint], block_size: int, hash_algorithm: str
+    trace: Trace,
+    points: Sequence[ReplayPoint],
+    block_size: int,
+    hash_algorithm: str,
+    model_name: str | None = None,
+    kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
 ) -> dict[str, Any]:
+    """With a model's `kv_cache_groups`, the config names the model and its groups, and
+    `capacity_tokens` is null: a block count shared by several groups is no token count."""
+    config: dict[str, Any] = {"block_size": block_size, "hash_algorithm": hash_algorithm}
+    if kv_cache_groups is not None:
+        config.update(_model_config(model_name or "custom", kv_cache_groups))
     return {
         "format": REPORT_FORMAT,
         "mode": "replay",
         "trace": trace.summary(),
-        "config": {"block_size": block_size, "hash_algorithm": hash_algorithm},
+        "config": config,
         "results": [
             {
                 "capacity_blocks": point.capacity_blocks,
                 "capacity_tokens": (
-                    None if point.capacity_blocks is None else point.capacity_blocks * block_size
+                    None
+                    if point.capacity_blocks is None or kv_cache_groups is not None
+                    else point.capacity_blocks * block_size
                 ),
                 "hit_rate": float(f"{point.hit_rate:.6g}"),
                 "num_hit_tokens": point.num_hit_tokens,
@@ -58,22 +92,37 @@ def replay_report(
 
 
 def serve_report(
-    trace: Trace, config: ServeConfig, profile_name: str | None, result: ServeResult
+    trace: Trace,
+    config: ServeConfig,
+    profile_name: str | None,
+    result: ServeResult,
+    model_name: str | None = None,
 ) -> dict[str, Any]:
+    """With `config.kv_cache_config` set, the config names the model and its groups, and
+    `capacity_tokens` is null: a block count shared by several groups is no token count."""
     scheduler = asdict(config.scheduler)
     scheduler["stop_token_ids"] = list(scheduler["stop_token_ids"])
     duration_s = trace.duration_s * config.time_scale
     offered = trace.num_prompt_tokens / duration_s if duration_s > 0 else 0.0
+    kv_cache_config = config.kv_cache_config
+    model = (
+        {}
+        if kv_cache_config is None
+        else _model_config(model_name or "custom", kv_cache_config.kv_cache_groups)
+    )
     return {
         "format": REPORT_FORMAT,
         "mode": "serve",
         "trace": trace.summary(),
         "config": {
             "profile": profile_name,
+            **model,
             "cost_model": asdict(config.cost_model),
             "block_size": config.block_size,
             "num_blocks": config.num_blocks,
-            "capacity_tokens": config.num_blocks * config.block_size,
+            "capacity_tokens": (
+                None if kv_cache_config is not None else config.num_blocks * config.block_size
+            ),
             "max_model_len": config.max_model_len,
             "policy": config.policy,
             "time_scale": config.time_scale,
@@ -109,7 +158,7 @@ def _rows(
         rows = [
             [
                 "unlimited" if r["capacity_blocks"] is None else f"{r['capacity_blocks']:,}",
-                "unlimited" if r["capacity_tokens"] is None else f"{r['capacity_tokens']:,}",
+                _capacity_tokens_cell(r),
                 f"{100 * r['hit_rate']:.2f} %",
                 f"{r['num_hit_tokens']:,}",
                 f"{r['num_requests_not_fit']:,}",
@@ -117,7 +166,13 @@ def _rows(
             for r in report["results"]
         ]
         config = report["config"]
-        notes.append(("block size", f"{config['block_size']} tokens ({config['hash_algorithm']})"))
+        if "model" in config:
+            notes.append(("KV layout", f"from {config['model']} ({config['hash_algorithm']})"))
+            notes.append(("KV groups", _groups_text(config["kv_cache_groups"])))
+        else:
+            notes.append(
+                ("block size", f"{config['block_size']} tokens ({config['hash_algorithm']})")
+            )
     else:
         header, rows = _serve_rows(report, notes)
     if speed is not None:
@@ -150,15 +205,28 @@ def _serve_rows(
     throughput = results["throughput"]
     cache = results["prefix_cache"]
     scheduler = config["scheduler"]
+    if "model" in config:
+        setup = (
+            f"KV layout from {config['model']}, cost model {config['profile'] or 'custom'}; "
+            f"{config['num_blocks']:,} blocks shared by {len(config['kv_cache_groups'])} "
+            f"group{'s' if len(config['kv_cache_groups']) != 1 else ''}"
+        )
+    else:
+        setup = (
+            f"{config['profile'] or 'custom cost model'}; {config['num_blocks']:,} blocks x "
+            f"{config['block_size']} tokens = {config['capacity_tokens']:,} KV tokens"
+        )
+    notes.append(
+        (
+            "setup",
+            f"{setup}; {config['policy']}; batch {scheduler['max_num_batched_tokens']:,} "
+            f"tokens / {scheduler['max_num_seqs']} seqs; time scale {config['time_scale']:g}",
+        )
+    )
+    if "model" in config:
+        notes.append(("KV groups", _groups_text(config["kv_cache_groups"])))
     notes.extend(
         [
-            (
-                "setup",
-                f"{config['profile'] or 'custom cost model'}; {config['num_blocks']:,} blocks x "
-                f"{config['block_size']} tokens = {config['capacity_tokens']:,} KV tokens; "
-                f"{config['policy']}; batch {scheduler['max_num_batched_tokens']:,} tokens / "
-                f"{scheduler['max_num_seqs']} seqs; time scale {config['time_scale']:g}",
-            ),
             (
                 "requests",
                 f"{results['num_requests_completed']:,} completed, "
@@ -218,6 +286,23 @@ def _serve_rows(
             values = [100 * value for value in values]
         notes.append((f"{label} over time", _sparkline(values, unit)))
     return header, rows
+
+
+def _capacity_tokens_cell(row: dict[str, Any]) -> str:
+    if row["capacity_blocks"] is None:
+        return "unlimited"
+    return "-" if row["capacity_tokens"] is None else f"{row['capacity_tokens']:,}"
+
+
+def _groups_text(groups: list[dict[str, Any]]) -> str:
+    """`5 x sliding_window(1024)/16, full_attention/16 (kind/block size)`."""
+    counts: dict[str, int] = {}
+    for group in groups:
+        extra = group.get("sliding_window") or group.get("attention_chunk_size")
+        label = f"{group['kind']}{f'({extra})' if extra else ''}/{group['block_size']}"
+        counts[label] = counts.get(label, 0) + 1
+    parts = [f"{count} x {label}" if count > 1 else label for label, count in counts.items()]
+    return f"{', '.join(parts)} (kind/block size)"
 
 
 def _number(value: float) -> str:

@@ -42,6 +42,11 @@ class ServeConfig:
 
     `num_blocks` counts usable blocks (the pool gets one more, the null block).
     `time_scale` multiplies every arrival time (0.5 replays the trace twice as fast).
+    `kv_cache_config`: a real model's KV-cache groups (from `pagedkv.sizing.size_kv_cache`);
+    None (the default) serves with one synthetic full-attention group of `block_size`. When set,
+    its pool must hold `num_blocks + 1` blocks, requests are hashed at the manager's
+    `hash_block_size` (the gcd of the group block sizes), and the manager bounds each request's
+    in-flight tokens by `scheduler.max_num_batched_tokens`, as the sizing did.
     """
 
     num_blocks: int
@@ -56,8 +61,16 @@ class ServeConfig:
     hash_algorithm: str = "sha256"
     num_timeline_points: int = 120
     enable_kv_cache_events: bool = False
+    kv_cache_config: KVCacheConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_config is not None and (
+            self.kv_cache_config.num_blocks != self.num_blocks + 1
+        ):
+            raise ConfigError(
+                f"kv_cache_config holds {self.kv_cache_config.num_blocks} blocks; expected "
+                f"num_blocks + 1 = {self.num_blocks + 1} (the null block included)"
+            )
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of {sorted(POLICIES)}")
         if not self.time_scale > 0:
@@ -88,13 +101,20 @@ class _ServeRun:
     """One serve simulation: the clock, the scheduler and the running tallies."""
 
     def __init__(self, trace: Trace, config: ServeConfig) -> None:
-        spec = FullAttentionSpec(
-            block_size=config.block_size, num_kv_heads=1, head_size=1, dtype_bytes=1
-        )
-        group = KVCacheGroupSpec(("layer",), spec)
+        kv_cache_config = config.kv_cache_config
+        max_in_flight_tokens = None
+        if kv_cache_config is None:
+            spec = FullAttentionSpec(
+                block_size=config.block_size, num_kv_heads=1, head_size=1, dtype_bytes=1
+            )
+            group = KVCacheGroupSpec(("layer",), spec)
+            kv_cache_config = KVCacheConfig(config.num_blocks + 1, (group,))
+        else:
+            max_in_flight_tokens = config.scheduler.max_num_batched_tokens
         self.manager = KVCacheManager(
-            KVCacheConfig(config.num_blocks + 1, (group,)),
+            kv_cache_config,
             config.max_model_len,
+            max_in_flight_tokens=max_in_flight_tokens,
             enable_caching=config.enable_prefix_caching,
             log_stats=True,
             enable_kv_cache_events=config.enable_kv_cache_events,
@@ -102,7 +122,7 @@ class _ServeRun:
         )
         self.scheduler = Scheduler(self.manager, config.scheduler, POLICIES[config.policy]())
         self.hasher = (
-            make_request_block_hasher(config.block_size, config.hash_algorithm)
+            make_request_block_hasher(self.manager.hash_block_size, config.hash_algorithm)
             if config.enable_prefix_caching
             else None
         )
