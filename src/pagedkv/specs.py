@@ -249,13 +249,19 @@ class MambaSpec(KVCacheSpec):
             return self.page_size_padded
         return self.real_page_size_bytes
 
+    def max_admission_blocks(self, max_model_len: int, max_in_flight_tokens: int) -> int | None:
+        # The manager holds one block per position of the tokens in flight (each may become a
+        # cached state) plus the last settled state; older ones are freed as skipped.
+        return cdiv(min(max_in_flight_tokens, max_model_len), self.block_size) + 1
+
     def max_memory_usage_bytes(
         self,
         max_model_len: int,
         max_in_flight_tokens: int | None = None,
         max_num_encoder_input_tokens: int = 0,
     ) -> int:
-        return self.page_size_bytes
+        in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
+        return self.max_admission_blocks(max_model_len, in_flight) * self.page_size_bytes
 
 
 @dataclass(frozen=True)
