@@ -70,5 +70,7 @@ def test_cli_commands_import_only_the_standard_library(command_module, prefixes)
         f"import sys, pagedkv.cli.{command_module}; "
         f"print(sorted(m for m in sys.modules if m.startswith({prefixes!r})))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "[]"

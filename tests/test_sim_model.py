@@ -13,7 +13,7 @@ from pagedkv.model_config import load_model_description
 from pagedkv.sched import SchedulerConfig
 from pagedkv.sim.cost_model import DEFAULT_PROFILE, get_profile
 from pagedkv.sim.replay import replay
-from pagedkv.sim.serve import ServeConfig, _ServeRun, simulate_serving
+from pagedkv.sim.serve import ServeConfig, ServeRun, simulate_serving
 from pagedkv.sim.traces import load_trace
 from pagedkv.sizing import estimate_max_model_len, get_kv_cache_layout, size_kv_cache
 from pagedkv.specs import KVCacheConfig
@@ -64,7 +64,7 @@ def test_serve_with_gemma_uses_its_hybrid_groups(trace):
     max_model_len = 16384
     sizing = sized("gemma-3-12b-it", 4 * GIB, max_model_len, MAX_NUM_BATCHED_TOKENS)
     config = model_serve_config(sizing.kv_cache_config, sizing.num_blocks - 1, max_model_len)
-    run = _ServeRun(trace, config)
+    run = ServeRun(trace, config)
     assert group_kinds(run.manager) == GEMMA_GROUPS
     assert run.manager.hash_block_size == 16
     assert run.manager.max_in_flight_tokens == MAX_NUM_BATCHED_TOKENS

@@ -18,7 +18,13 @@ from typing import Any
 from pagedkv.block import to_external_hash
 from pagedkv.errors import ConfigError, InvariantViolation
 from pagedkv.router import POLICY_NAMES, Router, make_policy, request_block_hashes
-from pagedkv.sim.serve import ServeConfig, _distribution, _rate, _round, _ServeRun
+from pagedkv.sim.serve import (
+    ServeConfig,
+    ServeRun,
+    rate_per_s,
+    round_sig6,
+    summarize_distribution,
+)
 from pagedkv.sim.traces import Trace
 
 ProgressCallback = Callable[[int], None]
@@ -51,7 +57,7 @@ class ClusterConfig:
 class _Instance:
     """One serving instance: its run, its publisher, and the router's subscriber to it."""
 
-    def __init__(self, instance_id: str, run: _ServeRun, transport: str, run_tag: str) -> None:
+    def __init__(self, instance_id: str, run: ServeRun, transport: str, run_tag: str) -> None:
         from pagedkv.events_zmq import ZmqEventPublisher, ZmqEventSubscriber
 
         self.instance_id = instance_id
@@ -91,7 +97,7 @@ class _ClusterRun:
         empty = Trace(trace.name, (), trace.source)
         tag = uuid.uuid4().hex[:8]
         self.instances = [
-            _Instance(str(i), _ServeRun(empty, serve), config.event_transport, tag)
+            _Instance(str(i), ServeRun(empty, serve), config.event_transport, tag)
             for i in range(config.num_instances)
         ]
         self.router = Router(
@@ -272,8 +278,8 @@ class _ClusterRun:
                     "requests": inst.num_dispatched,
                     "completed": inst.run.totals["completed"],
                     "prefill_tokens_computed": inst.run.totals["prefill_tokens"],
-                    "busy_s": _round(inst.busy_s),
-                    "hit_rate": _round(stats.hits / stats.queries if stats.queries else 0.0),
+                    "busy_s": round_sig6(inst.busy_s),
+                    "hit_rate": round_sig6(stats.hits / stats.queries if stats.queries else 0.0),
                     "preemptions": inst.run.totals["preemptions"],
                     "event_batches": inst.publisher.next_seq,
                     "events": inst.num_events,
@@ -293,21 +299,21 @@ class _ClusterRun:
             "router": policy,
             "num_requests_completed": completed,
             "num_requests_rejected": self.num_rejected,
-            "simulated_time_s": _round(makespan_s),
+            "simulated_time_s": round_sig6(makespan_s),
             "prefix_cache": {
                 "queries": queries,
                 "hits": hits,
-                "hit_rate": _round(hits / queries if queries else 0.0),
+                "hit_rate": round_sig6(hits / queries if queries else 0.0),
             },
-            "ttft_s": _distribution(ttfts),
-            "e2e_latency_s": _distribution(latencies),
+            "ttft_s": summarize_distribution(ttfts),
+            "e2e_latency_s": summarize_distribution(latencies),
             "throughput": {
-                "requests_per_s": _round(_rate(completed, makespan_s)),
-                "output_tokens_per_s": _round(_rate(output_tokens, makespan_s)),
+                "requests_per_s": round_sig6(rate_per_s(completed, makespan_s)),
+                "output_tokens_per_s": round_sig6(rate_per_s(output_tokens, makespan_s)),
             },
             "load_balance": _load_balance(per_instance),
             "routing": {
-                "mean_matched_blocks": _round(
+                "mean_matched_blocks": round_sig6(
                     sum(self.matched_blocks) / len(self.matched_blocks)
                     if self.matched_blocks
                     else 0.0
@@ -324,7 +330,7 @@ def _load_balance(per_instance: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     def max_over_mean(values: Sequence[float]) -> float:
         mean = sum(values) / len(values)
-        return _round(max(values) / mean if mean else 1.0)
+        return round_sig6(max(values) / mean if mean else 1.0)
 
     requests = [item["requests"] for item in per_instance]
     prefill = [item["prefill_tokens_computed"] for item in per_instance]

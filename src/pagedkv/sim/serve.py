@@ -97,7 +97,7 @@ class _Timing:
         self.first_token_s: float | None = None
 
 
-class _ServeRun:
+class ServeRun:
     """One serve simulation: the clock, the scheduler and the running tallies."""
 
     def __init__(self, trace: Trace, config: ServeConfig) -> None:
@@ -256,14 +256,14 @@ class _ServeRun:
             "num_requests_completed": totals["completed"],
             "num_requests_rejected": totals["rejected"],
             "num_steps": totals["steps"],
-            "simulated_time_s": _round(makespan_s),
-            "ttft_s": _distribution(self.ttfts),
-            "tpot_s": _distribution(self.tpots),
-            "e2e_latency_s": _distribution(self.latencies),
+            "simulated_time_s": round_sig6(makespan_s),
+            "ttft_s": summarize_distribution(self.ttfts),
+            "tpot_s": summarize_distribution(self.tpots),
+            "e2e_latency_s": summarize_distribution(self.latencies),
             "throughput": {
-                "requests_per_s": _round(_rate(totals["completed"], makespan_s)),
-                "prompt_tokens_per_s": _round(_rate(totals["prompt_tokens"], makespan_s)),
-                "output_tokens_per_s": _round(_rate(totals["output_tokens"], makespan_s)),
+                "requests_per_s": round_sig6(rate_per_s(totals["completed"], makespan_s)),
+                "prompt_tokens_per_s": round_sig6(rate_per_s(totals["prompt_tokens"], makespan_s)),
+                "output_tokens_per_s": round_sig6(rate_per_s(totals["output_tokens"], makespan_s)),
             },
             "tokens": {
                 "prompt": totals["prompt_tokens"],
@@ -274,7 +274,7 @@ class _ServeRun:
             "prefix_cache": {
                 "queries": stats.queries,
                 "hits": stats.hits,
-                "hit_rate": _round(stats.hits / stats.queries if stats.queries else 0.0),
+                "hit_rate": round_sig6(stats.hits / stats.queries if stats.queries else 0.0),
                 "preempted_queries": stats.preempted_queries,
                 "preempted_hits": stats.preempted_hits,
             },
@@ -283,16 +283,16 @@ class _ServeRun:
                 "num_requests_preempted": len(self.preempted_ids),
             },
             "usage": {
-                "peak": _round(peak["usage"]),
-                "mean": _round(_rate(area["usage"], makespan_s)),
+                "peak": round_sig6(peak["usage"]),
+                "mean": round_sig6(rate_per_s(area["usage"], makespan_s)),
             },
             "num_running": {
                 "peak": peak["running"],
-                "mean": _round(_rate(area["running"], makespan_s)),
+                "mean": round_sig6(rate_per_s(area["running"], makespan_s)),
             },
             "num_waiting": {
                 "peak": peak["waiting"],
-                "mean": _round(_rate(area["waiting"], makespan_s)),
+                "mean": round_sig6(rate_per_s(area["waiting"], makespan_s)),
             },
             "timeline": _timeline(
                 self.result, self.start_s, self.now, self.config.num_timeline_points
@@ -316,7 +316,7 @@ def simulate_serving(
     trace: Trace, config: ServeConfig, progress: ProgressCallback | None = None
 ) -> ServeResult:
     """Serve the whole trace to completion and summarise it."""
-    run = _ServeRun(trace, config)
+    run = ServeRun(trace, config)
     run.run(progress)
     run.result.summary = run.summary()
     return run.result
@@ -329,13 +329,13 @@ def _timeline(result: ServeResult, start_s: float, end_s: float, num_points: int
     for point in range(num_points):
         time_s = start_s + (end_s - start_s) * point / max(num_points - 1, 1)
         index = bisect_right(starts, time_s) - 1
-        times.append(_round(time_s))
+        times.append(round_sig6(time_s))
         if index < 0:
             usage.append(0.0)
             running.append(0)
             waiting.append(0)
         else:
-            usage.append(_round(result.step_usage[index]))
+            usage.append(round_sig6(result.step_usage[index]))
             running.append(result.step_num_running[index])
             waiting.append(result.step_num_waiting[index])
     return {"time_s": times, "usage": usage, "num_running": running, "num_waiting": waiting}
@@ -352,22 +352,24 @@ def percentile(sorted_values: Sequence[float], fraction: float) -> float:
     return sorted_values[lower] * (1 - weight) + sorted_values[upper] * weight
 
 
-def _distribution(values: list[float]) -> dict[str, float | int]:
+def summarize_distribution(values: list[float]) -> dict[str, float | int]:
+    """Count, mean, p50, p90, p99 and max, each to six significant digits."""
     ordered = sorted(values)
     return {
         "count": len(ordered),
-        "mean": _round(sum(ordered) / len(ordered) if ordered else 0.0),
-        "p50": _round(percentile(ordered, 0.5)),
-        "p90": _round(percentile(ordered, 0.9)),
-        "p99": _round(percentile(ordered, 0.99)),
-        "max": _round(ordered[-1] if ordered else 0.0),
+        "mean": round_sig6(sum(ordered) / len(ordered) if ordered else 0.0),
+        "p50": round_sig6(percentile(ordered, 0.5)),
+        "p90": round_sig6(percentile(ordered, 0.9)),
+        "p99": round_sig6(percentile(ordered, 0.99)),
+        "max": round_sig6(ordered[-1] if ordered else 0.0),
     }
 
 
-def _rate(amount: float, seconds: float) -> float:
+def rate_per_s(amount: float, seconds: float) -> float:
+    """`amount / seconds`, 0 for an empty interval."""
     return amount / seconds if seconds > 0 else 0.0
 
 
-def _round(value: float) -> float:
+def round_sig6(value: float) -> float:
     """Six significant digits: stable, readable JSON."""
     return float(f"{value:.6g}")
