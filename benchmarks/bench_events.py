@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from time import perf_counter, process_time, thread_time
 
 from pagedkv import (
@@ -60,134 +61,17 @@ WORKLOADS = {
 }  # fmt: skip
 
 
-def serve(mode: str, workload: str = "shared") -> dict:
-    """The core benchmark's synchronous loop: decode every running request, then admit.
-
-    mode: "off" | "on" (events taken every step and dropped) | "publish" (and published) |
-    "record" (and kept, for the wire and index benchmarks; untimed).
-    Returns CPU seconds of this thread inside manager calls, in take_events and in publish
-    (thread CPU time, so other processes on a shared machine do not count), the process CPU
-    time of the whole loop (with the publisher thread's encoding) and wall time.
-    """
-    shape = WORKLOADS[workload]
-    num_requests, batch, decode_steps = shape["num_requests"], shape["batch"], shape["decode_steps"]
-    rng = random.Random(1)
-    system = [rng.randrange(32000) for _ in range(shape["prefix_tokens"])]
-    prompts = [
-        system + [rng.randrange(32000) for _ in range(shape["suffix_tokens"])]
-        for _ in range(num_requests)
-    ]
-    # Re-admission after preemption adds a token, hence the margin.
-    max_model_len = shape["prefix_tokens"] + shape["suffix_tokens"] + 2 * decode_steps
-    spec = FullAttentionSpec(BLOCK_SIZE, 8, 128, 2)
-    config = KVCacheConfig(shape["num_blocks"], [KVCacheGroupSpec(["layer0"], spec)])
-    manager = KVCacheManager(
-        config, max_model_len=max_model_len, enable_kv_cache_events=mode != "off"
-    )
-    hasher = make_request_block_hasher(BLOCK_SIZE)
-    requests = [Request(str(i), p, block_hasher=hasher) for i, p in enumerate(prompts)]
-    publisher = None
-    if mode == "publish":
-        from pagedkv.events_zmq import ZmqEventPublisher
-
-        # No subscriber here: the router lives in another process; PUB drops unread data.
-        publisher = ZmqEventPublisher("inproc://bench-overhead", "inproc://bench-overhead-r")
-    manager_s = take_s = publish_s = 0.0
-    recorded: list[list] = []
-    waiting = list(range(num_requests))[::-1]
-    running: list[Request] = []
-    decoded: dict[str, int] = {}
-    gc.collect()
-    wall0 = perf_counter()
-    cpu0 = process_time()
-    steps = 0
-    while waiting or running:
-        steps += 1
-        t0 = thread_time()
-        manager.new_step_starts()
-        index = 0
-        preempted = False
-        while index < len(running):
-            if manager.allocate_slots(running[index], 1) is not None:
-                index += 1
-                continue
-            victim = running.pop()
-            manager.free(victim)
-            victim.status = RequestStatus.PREEMPTED
-            victim.num_computed_tokens = 0
-            victim.num_preemptions += 1
-            waiting.append(int(victim.request_id))
-            preempted = True
-        scheduled = list(running)
-        admitted = []
-        while not preempted and waiting and len(running) < batch:
-            request = requests[waiting[-1]]
-            hit = manager.get_computed_blocks(request)
-            blocks = manager.allocate_slots(
-                request, request.num_tokens - hit.num_computed_tokens, hit.num_computed_tokens,
-                hit.blocks,
-            )  # fmt: skip
-            if blocks is None:
-                break
-            waiting.pop()
-            request.status = RequestStatus.RUNNING
-            decoded.setdefault(request.request_id, 0)
-            running.append(request)
-            admitted.append(request)
-        manager_s += thread_time() - t0
-        for request in admitted:
-            request.num_computed_tokens = request.num_tokens
-            request.append_output_token_ids(7)
-        for request in scheduled:
-            request.num_computed_tokens += 1
-            decoded[request.request_id] += 1
-            request.append_output_token_ids(7)
-        keep = []
-        t0 = thread_time()
-        for request in running:
-            if decoded[request.request_id] >= decode_steps:
-                manager.free(request)
-                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            else:
-                keep.append(request)
-        manager_s += thread_time() - t0
-        running = keep
-        if mode != "off":
-            t0 = thread_time()
-            events = manager.take_events()
-            take_s += thread_time() - t0
-            if events:
-                if publisher is not None:
-                    t0 = thread_time()
-                    publisher.publish(events)
-                    publish_s += thread_time() - t0
-                elif mode == "record":
-                    recorded.append(events)
-    if publisher is not None:
-        while publisher.sent_batches + publisher.dropped_batches < publisher.next_seq:
-            time.sleep(0.001)
-    wall_s = perf_counter() - wall0
-    cpu_s = process_time() - cpu0
-    out = {
-        "steps": steps,
-        "manager_seconds": manager_s,
-        "take_events_seconds": take_s,
-        "publish_seconds": publish_s,
-        "process_cpu_seconds": cpu_s,
-        "wall_seconds": wall_s,
-    }
-    if publisher is not None:
-        out["batches_published"] = publisher.sent_batches
-        out["batches_dropped"] = publisher.dropped_batches
-        publisher.shutdown()
-    out["recorded"] = recorded
-    return out
-
-
 class _Lane:
     """One manager of a lockstep run: the same requests, events off or on."""
 
-    def __init__(self, events: bool, workload: str, num_requests: int, decode_steps: int) -> None:
+    def __init__(
+        self,
+        events: bool,
+        workload: str,
+        num_requests: int,
+        decode_steps: int,
+        on_events: Callable[[list], None] | None = None,
+    ) -> None:
         shape = WORKLOADS[workload]
         rng = random.Random(1)
         system = [rng.randrange(32000) for _ in range(shape["prefix_tokens"])]
@@ -207,6 +91,7 @@ class _Lane:
             config, max_model_len=max_model_len, enable_kv_cache_events=events
         )
         self.events = events
+        self.on_events = on_events  # called with each step's non-empty events, untimed here
         self.waiting = list(range(num_requests))[::-1]
         self.running: list[Request] = []
         self.decoded: dict[str, int] = {}
@@ -267,8 +152,69 @@ class _Lane:
         self.running = keep
         if self.events:
             t0 = thread_time()
-            manager.take_events()
+            events = manager.take_events()
             self.take_s += thread_time() - t0
+            if events and self.on_events is not None:
+                self.on_events(events)
+
+
+def serve(mode: str, workload: str = "shared") -> dict:
+    """The core benchmark's synchronous loop (one `_Lane`): decode every running request,
+    then admit.
+
+    mode: "off" | "on" (events taken every step and dropped) | "publish" (and published) |
+    "record" (and kept, for the wire and index benchmarks; untimed).
+    Returns CPU seconds of this thread inside manager calls, in take_events and in publish
+    (thread CPU time, so other processes on a shared machine do not count), the process CPU
+    time of the whole loop (with the publisher thread's encoding) and wall time.
+    """
+    shape = WORKLOADS[workload]
+    num_requests, batch, decode_steps = shape["num_requests"], shape["batch"], shape["decode_steps"]
+    publisher = None
+    if mode == "publish":
+        from pagedkv.events_zmq import ZmqEventPublisher
+
+        # No subscriber here: the router lives in another process; PUB drops unread data.
+        publisher = ZmqEventPublisher("inproc://bench-overhead", "inproc://bench-overhead-r")
+    publish_s = 0.0
+    recorded: list[list] = []
+
+    def on_events(events: list) -> None:
+        nonlocal publish_s
+        if publisher is not None:
+            t0 = thread_time()
+            publisher.publish(events)
+            publish_s += thread_time() - t0
+        elif mode == "record":
+            recorded.append(events)
+
+    lane = _Lane(mode != "off", workload, num_requests, decode_steps, on_events)
+    gc.collect()
+    wall0 = perf_counter()
+    cpu0 = process_time()
+    steps = 0
+    while lane.waiting or lane.running:
+        lane.step(batch, decode_steps)
+        steps += 1
+    if publisher is not None:
+        while publisher.sent_batches + publisher.dropped_batches < publisher.next_seq:
+            time.sleep(0.001)
+    wall_s = perf_counter() - wall0
+    cpu_s = process_time() - cpu0
+    out = {
+        "steps": steps,
+        "manager_seconds": lane.manager_s,
+        "take_events_seconds": lane.take_s,
+        "publish_seconds": publish_s,
+        "process_cpu_seconds": cpu_s,
+        "wall_seconds": wall_s,
+    }
+    if publisher is not None:
+        out["batches_published"] = publisher.sent_batches
+        out["batches_dropped"] = publisher.dropped_batches
+        publisher.shutdown()
+    out["recorded"] = recorded
+    return out
 
 
 def lockstep(workload: str) -> dict:
