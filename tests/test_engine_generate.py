@@ -15,6 +15,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("pagedkv.sched")
 
+from engine_support import tiny_model  # noqa: E402
+
 from pagedkv.cli import main  # noqa: E402
 from pagedkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedkv.engine.model_runner import load_model  # noqa: E402
@@ -23,25 +25,10 @@ from pagedkv.errors import ConfigError, InvalidArgumentError  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=256,
-)
 MODELS = {
     "llama": {},
     "qwen2": dict(use_sliding_window=True, sliding_window=7, max_window_layers=1),
 }
-
-
-def tiny_model(model_type: str, seed: int = 0, **overrides):
-    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **overrides})
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:

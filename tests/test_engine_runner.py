@@ -9,6 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from engine_support import TINY, tiny_model  # noqa: E402
+
 from pagedkv.engine.attention import build_attention_metadata  # noqa: E402
 from pagedkv.engine.model_runner import (  # noqa: E402
     ModelRunner,
@@ -26,27 +28,12 @@ from pagedkv.specs import (  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=256,
-)
 ARCHITECTURES = {
     "llama": {},
     "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
     "qwen3": dict(head_dim=32),
     "mistral": dict(sliding_window=6),
 }
-
-
-def tiny_model(model_type: str, seed: int = 0, **overrides):
-    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **overrides})
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 def test_sliding_windows_follow_the_model():

@@ -1,0 +1,23 @@
+"""Builders shared by the engine tests (not a test module): tiny seeded transformers models."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+)
+
+
+def tiny_model(model_type: str, seed: int = 0, **overrides):
+    """A randomly initialised float32 model of `model_type`, seeded, in eval mode."""
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
