@@ -172,7 +172,7 @@ def serve(mode: str, workload: str = "shared") -> dict:
     num_requests, batch, decode_steps = shape["num_requests"], shape["batch"], shape["decode_steps"]
     publisher = None
     if mode == "publish":
-        from pagedkv.events_zmq import ZmqEventPublisher
+        from pagedkv.wire.transport import ZmqEventPublisher
 
         # No subscriber here: the router lives in another process; PUB drops unread data.
         publisher = ZmqEventPublisher("inproc://bench-overhead", "inproc://bench-overhead-r")
@@ -303,8 +303,8 @@ def count_hashes(batches: list[list]) -> tuple[int, int]:
 
 
 def bench_wire(batches: list[list]) -> dict:
-    from pagedkv.events_zmq import ZmqEventPublisher, ZmqEventSubscriber
     from pagedkv.wire import EventBatch, EventDecoder, EventEncoder
+    from pagedkv.wire.transport import ZmqEventPublisher, ZmqEventSubscriber
 
     num_events, num_hashes = count_hashes(batches)
     out: dict = {"batches": len(batches), "events": num_events, "block_hashes": num_hashes}

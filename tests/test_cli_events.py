@@ -17,7 +17,7 @@ pytest.importorskip("msgspec")
 
 from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from pagedkv.cli import main  # noqa: E402
-from pagedkv.events_zmq import ZmqEventPublisher  # noqa: E402
+from pagedkv.wire.transport import ZmqEventPublisher  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

@@ -9,7 +9,7 @@ import pytest
 from pagedkv.cli import main
 from pagedkv.cli.size import parse_memory_bytes
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model_config import shipped_config_names
+from pagedkv.sizing.model_config import shipped_config_names
 
 
 def run_size(capsys, *argv: str) -> tuple[int, str, str]:

@@ -14,7 +14,9 @@ pytest.importorskip("msgspec")
 from kv_workload import RandomDriver, make_manager, pool_contents  # noqa: E402
 
 from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, InvalidArgumentError  # noqa: E402
-from pagedkv.events_zmq import (  # noqa: E402
+from pagedkv.wire import EventBatch, EventEncoder  # noqa: E402
+from pagedkv.wire.snapshot import CacheMirror  # noqa: E402
+from pagedkv.wire.transport import (  # noqa: E402
     END_SEQ,
     SNAPSHOT_REQUEST,
     ZmqEventPublisher,
@@ -22,8 +24,6 @@ from pagedkv.events_zmq import (  # noqa: E402
     offset_endpoint_port,
     should_bind,
 )
-from pagedkv.snapshot import CacheMirror  # noqa: E402
-from pagedkv.wire import EventBatch, EventEncoder  # noqa: E402
 
 LOOPBACK = "tcp://127.0.0.1:0"
 

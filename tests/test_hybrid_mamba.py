@@ -7,7 +7,7 @@ import pytest
 from hybrid_support import admit, full, make_manager, make_request, mamba
 
 from pagedkv import InvariantViolation
-from pagedkv.coordinator_hybrid import HybridKVCacheCoordinator
+from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator
 
 
 def hit_ids(manager, request) -> tuple[tuple[list[int], ...], int]:

@@ -3,7 +3,7 @@
 (a) The core (top-level modules and managers/) imports only the standard library and pagedkv at
     import time; optional extras may be imported lazily, inside functions, only where listed.
 (b) Imports point down the layer order (type-only imports under TYPE_CHECKING are exempt):
-    leaves -> block_pool -> managers -> coordinator -> kv_cache_manager -> sched -> sim -> cli.
+    leaves -> block_pool -> managers -> coordinators -> kv_cache_manager -> sched -> sim -> cli.
 (c) CLI command modules import only the standard library and pagedkv at import time.
 
 A new top-level module or package must be placed in LAYERS (the test says so), which keeps the
@@ -33,24 +33,19 @@ LAYERS: dict[str, int] = {
     "free_queue": 2,
     "hashing": 2,
     "request": 3,
-    "sizing": 3,
-    "model_config": 4,  # model configs -> specs (the input of sizing)
-    "residency": 3,
+    "sizing": 4,  # model configs -> per-layer specs -> KVCacheConfig (stdlib)
     # the pool and what sits on it
     "block_pool": 10,
     "managers": 20,
-    "coordinator": 30,
-    "coordinator_hybrid": 30,
+    "coordinators": 30,
     "kv_cache_blocks": 4,  # the facade's result types (block + errors only)
     "admission": 35,  # the facade's argument checks
     "kv_cache_manager": 40,
     "__init__": 45,  # the package root re-exports the core
     # above the core
     "sched": 50,
-    "snapshot": 51,  # cache mirror rebuilt from events (stdlib)
-    "wire": 52,
-    "events_zmq": 52,
-    "metrics": 54,
+    "wire": 52,  # codec, snapshot (stdlib), transport (ZeroMQ)
+    "metrics": 54,  # residency (stdlib), Prometheus export
     "router": 54,
     "engine": 54,
     "sim": 60,
@@ -69,12 +64,9 @@ CORE = {
     "hashing",
     "request",
     "sizing",
-    "model_config",
-    "residency",
     "block_pool",
     "managers",
-    "coordinator",
-    "coordinator_hybrid",
+    "coordinators",
     "kv_cache_blocks",
     "admission",
     "kv_cache_manager",
@@ -90,8 +82,7 @@ LAZY_EXTRAS: dict[str, set[str]] = {
 ABOVE_LEAVES = {
     "block_pool",
     "managers",
-    "coordinator",
-    "coordinator_hybrid",
+    "coordinators",
     "kv_cache_manager",
     "sched",
     "sim",
@@ -194,11 +185,7 @@ def violations_of(key: str, imports: list[Import]) -> list[str]:
                 )
             if key in LEAVES and target in ABOVE_LEAVES:
                 problems.append(f"line {imp.lineno}: leaf {key} imports {target}")
-            if key == "managers" and target in {
-                "coordinator",
-                "coordinator_hybrid",
-                "kv_cache_manager",
-            }:
+            if key == "managers" and target in {"coordinators", "kv_cache_manager"}:
                 problems.append(f"line {imp.lineno}: managers import {target}")
     return problems
 
@@ -208,7 +195,7 @@ SOURCE_FILES = sorted(PACKAGE_DIR.rglob("*.py"))
 
 def test_there_are_modules_to_check():
     keys = {module_key(path) for path in SOURCE_FILES}
-    assert {"block", "block_pool", "managers", "coordinator", "kv_cache_manager"} <= keys
+    assert {"block", "block_pool", "managers", "coordinators", "kv_cache_manager"} <= keys
 
 
 @pytest.mark.parametrize(
@@ -221,6 +208,61 @@ def test_module_imports(path: Path):
     )
     imports = collect_imports(path.read_text(), dotted_package(path))
     assert violations_of(key, imports) == []
+
+
+def dotted_module(path: Path) -> str:
+    """The dotted name of a source file (`pagedkv.wire.codec`; a package is its __init__)."""
+    parts = path.relative_to(PACKAGE_DIR).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(("pagedkv", *parts))
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the pagedkv modules it imports, lazy and type-only imports included."""
+    modules = {dotted_module(path): path for path in SOURCE_FILES}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for imp in collect_imports(path.read_text(), dotted_package(path)):
+            targets = [f"{imp.module}.{n}" for n in imp.names if f"{imp.module}.{n}" in modules]
+            if not targets and imp.module in modules:
+                targets = [imp.module]
+            graph[name].update(t for t in targets if t != name)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path (first module repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    # Lazy and TYPE_CHECKING imports count: a cycle hidden in a function is still a knot
+    # (a factory belongs above the classes it picks; a leaf names a Protocol, not a class above).
+    assert find_cycle(module_graph()) is None
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 # ---------------------------------------------------------------------------- the checker itself

@@ -61,8 +61,8 @@ def test_extras_are_imported_lazily_everywhere_but_the_engine():
     [
         ("simulate", ("pagedkv.sim", "pagedkv.sched", "rich", "matplotlib")),
         ("generate", ("pagedkv.engine", "torch", "transformers")),
-        ("events", ("pagedkv.wire", "pagedkv.events_zmq", "msgspec", "zmq")),
-        ("size", ("pagedkv.sizing", "pagedkv.model_config")),
+        ("events", ("pagedkv.wire", "pagedkv.wire.transport", "msgspec", "zmq")),
+        ("size", ("pagedkv.sizing", "pagedkv.sizing.model_config")),
     ],
 )
 def test_cli_commands_import_only_the_standard_library(command_module, prefixes):

@@ -13,7 +13,7 @@ from kv_workload import make_manager  # noqa: E402
 
 from pagedkv import InvalidArgumentError, Request, make_request_block_hasher  # noqa: E402
 from pagedkv.metrics import METRIC_NAMES, KVCacheMetrics, start_http_server  # noqa: E402
-from pagedkv.residency import KVCacheEvictionEvent, KVCacheMetricsCollector  # noqa: E402
+from pagedkv.metrics.residency import KVCacheEvictionEvent, KVCacheMetricsCollector  # noqa: E402
 from pagedkv.stats import PrefixCacheStats  # noqa: E402
 
 

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from pagedkv.errors import ConfigError
-from pagedkv.model_config import (
+from pagedkv.sizing.model_config import (
     describe_model,
     get_dtype_bytes,
     load_model_description,

@@ -17,7 +17,7 @@ from pagedkv import (
     Request,
     make_request_block_hasher,
 )
-from pagedkv.residency import KVCacheEvictionEvent, KVCacheMetricsCollector
+from pagedkv.metrics.residency import KVCacheEvictionEvent, KVCacheMetricsCollector
 
 S = 1_000_000_000
 

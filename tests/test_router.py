@@ -190,7 +190,7 @@ def test_router_rejects_bad_configuration():
 
 
 def test_index_fed_over_zmq_equals_every_pool_after_10000_operations():
-    zmq_events = pytest.importorskip("pagedkv.events_zmq")
+    zmq_events = pytest.importorskip("pagedkv.wire.transport")
     rng = random.Random(2024)
     managers = {i: make_manager(num_blocks=40) for i in IDS}
     drivers = {i: RandomDriver(managers[i], seed=n) for n, i in enumerate(IDS)}

@@ -12,7 +12,7 @@ from redis_server import RedisServer, redis_server  # noqa: F401 - fixture
 
 from pagedkv import Request, make_request_block_hasher
 from pagedkv.router import Router, request_block_hashes
-from pagedkv.snapshot import CacheMirror
+from pagedkv.wire.snapshot import CacheMirror
 
 redis = pytest.importorskip("redis")
 

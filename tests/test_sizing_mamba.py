@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pagedkv import KVCacheManager, MambaSpec
-from pagedkv.model_config import load_model_description
 from pagedkv.sched import Scheduler, SchedulerConfig
 from pagedkv.sizing import size_kv_cache
+from pagedkv.sizing.model_config import load_model_description
 from pagedkv.specs import cdiv
 
 

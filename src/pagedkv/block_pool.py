@@ -41,7 +41,7 @@ def _make_blocks(num_blocks: int) -> list[KVCacheBlock]:
 
 
 class BlockResidencyObserver(Protocol):
-    """Hooks for sampled block-residency metrics (see `pagedkv.residency`)."""
+    """Hooks for sampled block-residency metrics (see `pagedkv.metrics.residency`)."""
 
     def on_block_allocated(self, block: KVCacheBlock) -> None: ...
     def on_block_accessed(self, block: KVCacheBlock) -> None: ...

@@ -12,7 +12,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pagedkv.block import BlockHash
 from pagedkv.errors import (
@@ -22,8 +22,34 @@ from pagedkv.errors import (
     UnknownHashAlgorithmError,
 )
 
-if TYPE_CHECKING:
-    from pagedkv.request import Request
+
+class HashedRequest(Protocol):
+    """What hashing reads from (and writes to) a request; `pagedkv.request.Request` is one.
+
+    A protocol, so this leaf knows no request class: the request imports the hasher, never the
+    other way round.
+    """
+
+    all_token_ids: Sequence[int]
+    block_hashes: list[BlockHash]
+    mm_hash_cursor: int
+
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def has_extra_keys(self) -> bool: ...
+    @property
+    def lora_request(self) -> Any: ...
+    @property
+    def mm_features(self) -> Sequence[Any]: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+    @property
+    def prompt_embeds(self) -> Any: ...
+    def prompt_embeds_digest(self, start: int, end: int) -> bytes: ...
+
 
 HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxh3_128")
 _ALIASES = {"xxhash": "xxh3_128"}
@@ -226,7 +252,7 @@ def _cbor_dumps(obj: object) -> bytes:
 # ----------------------------------------------------------------------------- extra keys
 
 
-def _mm_extra_keys(request: Request, start: int, end: int, cursor: int) -> tuple[list, int]:
+def _mm_extra_keys(request: HashedRequest, start: int, end: int, cursor: int) -> tuple[list, int]:
     """Multimodal keys for features overlapping [start, end); returns keys and a new cursor."""
     features = request.mm_features
     keys: list[ExtraKey] = []
@@ -244,7 +270,7 @@ def _mm_extra_keys(request: Request, start: int, end: int, cursor: int) -> tuple
 
 
 def generate_block_hash_extra_keys(
-    request: Request, start: int, end: int, mm_cursor: int = 0
+    request: HashedRequest, start: int, end: int, mm_cursor: int = 0
 ) -> tuple[ExtraKeys | None, int]:
     """Tagged extra keys of the block [start, end): LoRA, multimodal, salt, prompt embeds.
 
@@ -302,7 +328,9 @@ class RequestBlockHasher:
     def none_hash(self) -> BlockHash:
         return self.hasher.none_hash
 
-    def __call__(self, request: Request, packed_tokens: bytes | None = None) -> list[BlockHash]:
+    def __call__(
+        self, request: HashedRequest, packed_tokens: bytes | None = None
+    ) -> list[BlockHash]:
         """Return the hashes of the request's newly full blocks (does not append them).
 
         `packed_tokens`, if given, is `pack_token_ids(request.all_token_ids)` (the request

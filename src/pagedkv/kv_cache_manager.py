@@ -13,7 +13,7 @@ from math import gcd, lcm
 from pagedkv.admission import AllocationChecker, check_count
 from pagedkv.block import KVCacheBlock
 from pagedkv.block_pool import BlockResidencyObserver
-from pagedkv.coordinator import make_coordinator
+from pagedkv.coordinators import make_coordinator
 from pagedkv.errors import (
     ConfigError,
     InvalidArgumentError,

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "events_command", None) != "listen":
         print("usage: pagedkv events listen ENDPOINT [--replay ENDPOINT]", file=sys.stderr)
         return 2
-    from pagedkv.events_zmq import ZmqEventSubscriber
+    from pagedkv.wire.transport import ZmqEventSubscriber
 
     subscriber = ZmqEventSubscriber(args.endpoint, args.replay, topic=args.topic)
     num_batches = 0

@@ -394,15 +394,15 @@ def _serve_config(args: argparse.Namespace, cost_model: Any) -> tuple[Any, str |
 
 
 def _model_name(model: str) -> str:
-    from pagedkv.model_config import load_model_description
+    from pagedkv.sizing.model_config import load_model_description
 
     return load_model_description(model).name
 
 
 def _model_groups(args: argparse.Namespace) -> tuple[str, Any]:
     """The model's name and KV-cache groups (no memory budget: the pool size comes elsewhere)."""
-    from pagedkv.model_config import load_model_description
     from pagedkv.sizing import get_kv_cache_layout
+    from pagedkv.sizing.model_config import load_model_description
 
     description = load_model_description(args.model, block_size=args.block_size)
     return description.name, get_kv_cache_layout(description.layer_to_spec).groups
@@ -421,8 +421,8 @@ def _size_model(
     the model's max_position_embeddings (as the default path caps it by capacity).
     """
     from pagedkv.cli.size import parse_memory_bytes
-    from pagedkv.model_config import load_model_description
     from pagedkv.sizing import estimate_max_model_len, get_kv_cache_layout, size_kv_cache
+    from pagedkv.sizing.model_config import load_model_description
 
     memory_bytes = parse_memory_bytes(args.memory)
     description = load_model_description(args.model, block_size=args.block_size)

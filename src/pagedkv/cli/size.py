@@ -244,8 +244,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _size(args: argparse.Namespace) -> dict:
     from pagedkv.errors import InvalidArgumentError
-    from pagedkv.model_config import load_model_description
     from pagedkv.sizing import estimate_max_model_len, size_kv_cache
+    from pagedkv.sizing.model_config import load_model_description
 
     memory_bytes = parse_memory_bytes(args.memory)
     for flag, value in (

@@ -58,7 +58,7 @@ class _Instance:
     """One serving instance: its run, its publisher, and the router's subscriber to it."""
 
     def __init__(self, instance_id: str, run: ServeRun, transport: str, run_tag: str) -> None:
-        from pagedkv.events_zmq import ZmqEventPublisher, ZmqEventSubscriber
+        from pagedkv.wire.transport import ZmqEventPublisher, ZmqEventSubscriber
 
         self.instance_id = instance_id
         self.run = run
@@ -120,7 +120,7 @@ class _ClusterRun:
         self.hash_block_size = serve.block_size
 
     def _attach_collectors(self, sample_rate: float) -> None:
-        from pagedkv.residency import KVCacheMetricsCollector
+        from pagedkv.metrics.residency import KVCacheMetricsCollector
 
         for inst in self.instances:
             run = inst.run

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockResidencyObserver
-from pagedkv.coordinator import KVCacheCoordinator
+from pagedkv.coordinators.base import KVCacheCoordinator
 from pagedkv.errors import ConfigError, InvariantViolation
 from pagedkv.managers import FullAttentionManager, MambaManager, SingleTypeKVCacheManager
 from pagedkv.specs import CrossAttentionSpec, KVCacheConfig, KVCacheSpec

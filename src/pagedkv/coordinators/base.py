@@ -1,5 +1,5 @@
 """Coordinator: builds the pool and one manager per KV-cache group, fans calls out to groups,
-and finds the prefix hit valid in every group. Chosen once by `make_coordinator`.
+and finds the prefix hit valid in every group. `pagedkv.coordinators.make_coordinator` picks one.
 """
 
 from __future__ import annotations
@@ -226,33 +226,3 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             manager.kv_cache_spec,
             manager.alignment_tokens,
         )
-
-
-def make_coordinator(
-    kv_cache_config: KVCacheConfig,
-    max_model_len: int,
-    hash_block_size: int,
-    enable_caching: bool,
-    enable_kv_cache_events: bool = False,
-    max_in_flight_tokens: int | None = None,
-    metrics_collector: BlockResidencyObserver | None = None,
-    scheduler_block_size: int | None = None,
-) -> KVCacheCoordinator:
-    """Pick the coordinator once: no caching, one group, or a hybrid of several groups."""
-    args = (
-        kv_cache_config,
-        max_model_len,
-        hash_block_size,
-        enable_caching,
-        enable_kv_cache_events,
-        max_in_flight_tokens,
-        metrics_collector,
-    )
-    num_groups = len(kv_cache_config.kv_cache_groups)
-    if not enable_caching or num_groups == 0:
-        return KVCacheCoordinatorNoPrefixCache(*args)
-    if num_groups == 1:
-        return UnitaryKVCacheCoordinator(*args)
-    from pagedkv.coordinator_hybrid import HybridKVCacheCoordinator  # sideways, on demand
-
-    return HybridKVCacheCoordinator(*args, scheduler_block_size=scheduler_block_size)

@@ -19,8 +19,8 @@ from typing import Any
 
 from pagedkv.errors import InvalidArgumentError, MissingDependencyError
 from pagedkv.events import KVCacheEvent
-from pagedkv.snapshot import CacheMirror
-from pagedkv.wire import EventBatch, EventDecoder, EventEncoder, WireFormatError
+from pagedkv.wire.codec import EventBatch, EventDecoder, EventEncoder, WireFormatError
+from pagedkv.wire.snapshot import CacheMirror
 
 try:
     import zmq

@@ -1,8 +1,8 @@
-"""Leaf: memory sizing. Turns per-layer specs and a byte budget into a `KVCacheConfig`.
+"""Sizing planner: turns per-layer specs and a byte budget into a `KVCacheConfig`.
 
 Owns page-size unification, grouping layers into KV-cache groups, `num_blocks` (null block
 reserved), max concurrency and the longest `max_model_len` that fits. Knows nothing of managers,
-torch or config files (`pagedkv.model_config` builds the per-layer specs).
+torch or config files (`pagedkv.sizing.model_config` builds the per-layer specs).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.errors import InvalidArgumentError, MissingDependencyError
-from pagedkv.residency import KVCacheEvictionEvent
+from pagedkv.metrics.residency import KVCacheEvictionEvent
 from pagedkv.stats import PrefixCacheStats
 
 try:
@@ -24,7 +24,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 if TYPE_CHECKING:
     from pagedkv.kv_cache_manager import KVCacheManager
-    from pagedkv.residency import KVCacheMetricsCollector
+    from pagedkv.metrics.residency import KVCacheMetricsCollector
 
 PREFIX = "pagedkv:"
 

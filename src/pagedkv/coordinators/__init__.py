@@ -1,0 +1,58 @@
+"""Coordinators: one per manager, chosen once by `make_coordinator` from the configuration.
+
+`base` holds the shared fan-out and the no-cache and single-group coordinators, `hybrid` the
+multi-group hit search. The factory lives here, above both, so neither imports the other's
+subclasses (the base never knows the hybrid exists).
+"""
+
+from __future__ import annotations
+
+from pagedkv.block_pool import BlockResidencyObserver
+from pagedkv.coordinators.base import (
+    BlockLists,
+    KVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+    UnitaryKVCacheCoordinator,
+)
+from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator, SpecBucket
+from pagedkv.specs import KVCacheConfig
+
+
+def make_coordinator(
+    kv_cache_config: KVCacheConfig,
+    max_model_len: int,
+    hash_block_size: int,
+    enable_caching: bool,
+    enable_kv_cache_events: bool = False,
+    max_in_flight_tokens: int | None = None,
+    metrics_collector: BlockResidencyObserver | None = None,
+    scheduler_block_size: int | None = None,
+) -> KVCacheCoordinator:
+    """Pick the coordinator once: no caching, one group, or a hybrid of several groups."""
+    args = (
+        kv_cache_config,
+        max_model_len,
+        hash_block_size,
+        enable_caching,
+        enable_kv_cache_events,
+        max_in_flight_tokens,
+        metrics_collector,
+    )
+    num_groups = len(kv_cache_config.kv_cache_groups)
+    if not enable_caching or num_groups == 0:
+        return KVCacheCoordinatorNoPrefixCache(*args)
+    if num_groups == 1:
+        return UnitaryKVCacheCoordinator(*args)
+
+    return HybridKVCacheCoordinator(*args, scheduler_block_size=scheduler_block_size)
+
+
+__all__ = [
+    "BlockLists",
+    "HybridKVCacheCoordinator",
+    "KVCacheCoordinator",
+    "KVCacheCoordinatorNoPrefixCache",
+    "SpecBucket",
+    "UnitaryKVCacheCoordinator",
+    "make_coordinator",
+]
