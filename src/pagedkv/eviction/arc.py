@@ -1,0 +1,158 @@
+"""Eviction policy `arc`: Adaptive Replacement Cache (Megiddo and Modha, FAST '03).
+
+Cached blocks seen once live in T1, blocks hit again in T2; the hashes of recent victims are
+remembered in the ghost lists B1 (from T1) and B2 (from T2). Caching a hash found in B1 means
+T1 was too small: the target size `p` of T1 grows (by `max(1, |B2| / |B1|)`); one found in B2
+shrinks it; either way the block enters T2. The victim is the least recently freed block of T1
+while T1 holds more than `p` blocks, else of T2. The capacity `c` is the pool's usable blocks.
+Only free blocks are linked (a held block cannot be evicted), but membership counts held
+blocks too, as ARC's sizes do. O(1) per operation.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from pagedkv.block import KVCacheBlock
+from pagedkv.errors import InvariantViolation
+from pagedkv.eviction.base import EvictionPolicy, ghost_key
+from pagedkv.free_queue import FreeKVCacheBlockQueue
+
+if TYPE_CHECKING:
+    from pagedkv.eviction.retention_levels import RetentionLevels
+
+
+class ARCPolicy(EvictionPolicy):
+    """T1, T2, the ghosts B1 and B2, and the adaptive target `target_t1_blocks` (ARC's p).
+
+    Invariants: every cached block is a member of T1 or T2 (`_in_t2`), held or free, counted in
+    `num_t1_members`/`num_t2_members`; free members are linked in their list, least recently
+    freed first; `0 <= p <= c`; `|T1| + |B1| <= c` unless T1 alone is larger; all four lists
+    together hold at most `2c` entries.
+    """
+
+    name = "arc"
+
+    def __init__(
+        self, blocks: Sequence[KVCacheBlock], retention: RetentionLevels | None = None
+    ) -> None:
+        super().__init__(blocks, retention)
+        self.capacity = max(1, self.num_blocks - 1)
+        self.target_t1_blocks = 0.0
+        self._t1 = FreeKVCacheBlockQueue(())
+        self._t2 = FreeKVCacheBlockQueue(())
+        self._in_t2 = bytearray(self.num_blocks)
+        self.num_t1_members = 0
+        self.num_t2_members = 0
+        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._b2: OrderedDict[bytes, None] = OrderedDict()
+
+    def note_cached(self, block: KVCacheBlock, parent: KVCacheBlock | None, end_token: int) -> None:
+        key = ghost_key(block)
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            step = max(1.0, len(b2) / len(b1))
+            self.target_t1_blocks = min(float(self.capacity), self.target_t1_blocks + step)
+            del b1[key]
+        elif key in b2:
+            step = max(1.0, len(b1) / len(b2))
+            self.target_t1_blocks = max(0.0, self.target_t1_blocks - step)
+            del b2[key]
+        else:
+            self._in_t2[block.block_id] = 0
+            self.num_t1_members += 1
+            self._trim_ghosts()
+            return
+        self._in_t2[block.block_id] = 1
+        self.num_t2_members += 1
+        self._trim_ghosts()
+
+    def note_hit(self, block: KVCacheBlock) -> None:
+        # Called after `_unlink` for a free block, so the block leaves T1's list first.
+        if not self._in_t2[block.block_id]:
+            self._in_t2[block.block_id] = 1
+            self.num_t1_members -= 1
+            self.num_t2_members += 1
+
+    def _insert_cached(self, block: KVCacheBlock) -> None:
+        (self._t2 if self._in_t2[block.block_id] else self._t1).append(block)
+
+    def _unlink(self, block: KVCacheBlock) -> None:
+        (self._t2 if self._in_t2[block.block_id] else self._t1).remove(block)
+
+    def _pop_victim(self) -> KVCacheBlock:
+        t1, t2 = self._t1, self._t2
+        if t1.num_free_blocks and (
+            self.num_t1_members > self.target_t1_blocks or not t2.num_free_blocks
+        ):
+            block = t1.popleft()
+            self.num_t1_members -= 1
+            self._b1[ghost_key(block)] = None
+        else:
+            block = t2.popleft()
+            self._in_t2[block.block_id] = 0
+            self.num_t2_members -= 1
+            self._b2[ghost_key(block)] = None
+        self._trim_ghosts()
+        return block
+
+    def _trim_ghosts(self) -> None:
+        b1, b2, capacity = self._b1, self._b2, self.capacity
+        while b1 and len(b1) + self.num_t1_members > capacity:
+            b1.popitem(last=False)
+        while (b1 or b2) and (
+            self.num_t1_members + self.num_t2_members + len(b1) + len(b2) > 2 * capacity
+        ):
+            (b2 if b2 else b1).popitem(last=False)
+
+    def _forget(self, block: KVCacheBlock) -> None:
+        if self._in_t2[block.block_id]:
+            self.num_t2_members -= 1
+        else:
+            self.num_t1_members -= 1
+        self._in_t2[block.block_id] = 0
+
+    def _iter_cached(self) -> Iterator[KVCacheBlock]:
+        """Exact eviction order (T1's size shrinks as T1 is evicted; p is fixed meanwhile)."""
+        t1 = list(self._t1)
+        t2 = list(self._t2)
+        num_t1 = self.num_t1_members
+        t1_index = t2_index = 0
+        while t1_index < len(t1) or t2_index < len(t2):
+            if t1_index < len(t1) and (num_t1 > self.target_t1_blocks or t2_index >= len(t2)):
+                yield t1[t1_index]
+                t1_index += 1
+                num_t1 -= 1
+            else:
+                yield t2[t2_index]
+                t2_index += 1
+
+    def _clear(self) -> None:
+        self._t1 = FreeKVCacheBlockQueue(())
+        self._t2 = FreeKVCacheBlockQueue(())
+        self._in_t2 = bytearray(self.num_blocks)
+        self.num_t1_members = self.num_t2_members = 0
+
+    def _check(self) -> None:
+        self._t1.check_invariants()
+        self._t2.check_invariants()
+        for queue, code in ((self._t1, 0), (self._t2, 1)):
+            for block in queue:
+                if self._in_t2[block.block_id] != code:
+                    raise InvariantViolation(f"arc: block {block.block_id} in the wrong list")
+        members = [0, 0]
+        for block in self.blocks:
+            if block.block_hash is not None:
+                members[self._in_t2[block.block_id]] += 1
+        if members != [self.num_t1_members, self.num_t2_members]:
+            raise InvariantViolation(
+                f"arc: {members} cached blocks in T1 and T2, counted "
+                f"{[self.num_t1_members, self.num_t2_members]}"
+            )
+        if not 0.0 <= self.target_t1_blocks <= self.capacity:
+            raise InvariantViolation(f"arc: target {self.target_t1_blocks} outside [0, c]")
+        total = self.num_t1_members + self.num_t2_members + len(self._b1) + len(self._b2)
+        if total > 2 * self.capacity:
+            raise InvariantViolation(f"arc: {total} entries > 2c = {2 * self.capacity}")
