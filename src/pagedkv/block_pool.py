@@ -17,6 +17,7 @@ from pagedkv.eviction import (
     DEFAULT_EVICTION,
     EvictionConfig,
     EvictionPolicy,
+    EvictionStats,
     FreeBlockSet,
     HostTier,
     make_free_blocks,
@@ -361,18 +362,21 @@ class BlockPool:
                     new_hashes.append(block_hash)
                     new_indices.append(index)
         if new_hashes:
-            self.kv_event_queue.append(
-                self._block_stored_event(
-                    request,
-                    block_hashes,
-                    new_hashes,
-                    new_indices,
-                    num_cached_blocks,
-                    num_full_blocks,
-                    block_size,
-                    kv_cache_group_id,
-                )
+            event = self._block_stored_event(
+                request,
+                block_hashes,
+                new_hashes,
+                new_indices,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
             )
+            policy = self.eviction_policy
+            if policy is not None and policy.retention is not None:
+                priority_of = policy.retention.priority_of
+                event.retention_priorities = [priority_of(blocks[i]) for i in new_indices]
+            self.kv_event_queue.append(event)
 
     def _block_stored_event(
         self,
@@ -523,6 +527,22 @@ class BlockPool:
         for block_hash, others in self._duplicates[kv_cache_group_id].items():
             out[block_hash].extend(others)
         return out
+
+    def get_eviction_stats(self) -> EvictionStats:
+        """The eviction policy's name and the retention and host-tier counters."""
+        policy = self.eviction_policy
+        retention = policy.retention if policy is not None else None
+        host = self.host_tier
+        return EvictionStats(
+            self.eviction_config.policy,
+            retention.num_retained_blocks if retention is not None else 0,
+            retention.num_demoted_blocks if retention is not None else 0,
+            retention.num_lapsed_blocks if retention is not None else 0,
+            len(host) if host is not None else 0,
+            host.num_demoted_blocks if host is not None else 0,
+            host.num_evicted_blocks if host is not None else 0,
+            host.num_promoted_blocks if host is not None else 0,
+        )
 
     def num_cached_blocks(self) -> int:
         """Blocks currently in the prefix cache, all groups."""

@@ -21,7 +21,7 @@ from pagedkv.errors import (
     RequestStateError,
 )
 from pagedkv.events import BlockStored, KVCacheEvent
-from pagedkv.eviction import EvictionConfig, as_eviction_config
+from pagedkv.eviction import EvictionConfig, EvictionStats, as_eviction_config
 from pagedkv.kv_cache_blocks import ComputedBlocks, DecodeSlots, KVCacheBlocks
 from pagedkv.managers import FullAttentionManager
 from pagedkv.request import Request, RequestStatus
@@ -151,6 +151,10 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.block_pool.get_usage()
+
+    def get_eviction_stats(self) -> EvictionStats:
+        """The eviction policy, retention and host-tier counters (`pagedkv.eviction`)."""
+        return self.block_pool.get_eviction_stats()
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """Return the stats gathered since the last call and start new ones (None if off)."""

@@ -100,6 +100,27 @@ class EvictionConfig:
 DEFAULT_EVICTION = EvictionConfig()
 
 
+@dataclass(frozen=True, slots=True)
+class EvictionStats:
+    """A pool's eviction state. Counters count since construction; `num_*_blocks` are now.
+
+    `num_retained_blocks`: cached blocks holding a raised retention priority;
+    `num_retention_demotions`: raises refused by the cap (the block kept the default);
+    `num_retention_lapses`: priorities returned to the default when their duration ran out;
+    `num_host_blocks`: entries in the host tier; `num_host_demotions`, `num_host_evictions`:
+    stored to and dropped from it; `num_host_loads`: blocks loaded back from it (host hits).
+    """
+
+    policy: str
+    num_retained_blocks: int = 0
+    num_retention_demotions: int = 0
+    num_retention_lapses: int = 0
+    num_host_blocks: int = 0
+    num_host_demotions: int = 0
+    num_host_evictions: int = 0
+    num_host_loads: int = 0
+
+
 def as_eviction_config(value: EvictionConfig | str | None) -> EvictionConfig:
     """Accept a config, a policy name, or None (the default, plain LRU)."""
     if value is None:
@@ -143,6 +164,7 @@ __all__ = [
     "CostPolicy",
     "EvictionConfig",
     "EvictionPolicy",
+    "EvictionStats",
     "FreeBlockSet",
     "FutureOracle",
     "HostTier",
