@@ -12,7 +12,7 @@ blocks too, as ARC's sizes do. O(1) per operation.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pagedkv.block import KVCacheBlock
@@ -81,6 +81,23 @@ class ARCPolicy(EvictionPolicy):
 
     def _unlink(self, block: KVCacheBlock) -> None:
         (self._t2 if self._in_t2[block.block_id] else self._t1).remove(block)
+
+    def _insert_many(self, blocks: Iterable[KVCacheBlock]) -> int:
+        in_t2 = self._in_t2
+        t1_append, t2_append = self._t1.append, self._t2.append
+        num_blocks = 0
+        for block in blocks:
+            if in_t2[block.block_id]:
+                t2_append(block)
+            else:
+                t1_append(block)
+            num_blocks += 1
+        return num_blocks
+
+    def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
+        pop = self._pop_victim
+        for _ in range(num_victims):
+            out.append(pop())
 
     def _pop_victim(self) -> KVCacheBlock:
         t1, t2 = self._t1, self._t2

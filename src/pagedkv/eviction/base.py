@@ -85,9 +85,14 @@ class EvictionPolicy:
                 f"cannot pop {num_blocks} blocks: only {self.num_free_blocks} are free"
             )
         blocks = unhashed.popleft_n(unhashed.num_free_blocks)
-        pop = self._pop_policy_block if self.retention is None else self._pop_retained
-        for _ in range(num_blocks - len(blocks)):
-            blocks.append(pop())
+        num_victims = num_blocks - len(blocks)
+        if self.retention is None:
+            self.num_policy_blocks -= num_victims
+            self._pop_victims(num_victims, blocks)
+        else:
+            pop = self._pop_retained
+            for _ in range(num_victims):
+                blocks.append(pop())
         self.num_free_blocks -= num_blocks
         return blocks
 
@@ -112,21 +117,21 @@ class EvictionPolicy:
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Cached blocks became free (in the order given: a request's blocks, last first)."""
-        insert = self._insert_cached
         retention = self.retention
-        num_blocks = num_parked = 0
         if retention is None:
-            for block in blocks:
+            num_blocks = self._insert_many(blocks)
+            self.num_policy_blocks += num_blocks
+            self.num_free_blocks += num_blocks
+            return
+        insert = self._insert_cached
+        park = retention.park
+        num_blocks = num_parked = 0
+        for block in blocks:
+            if park(block):
+                num_parked += 1
+            else:
                 insert(block)
-                num_blocks += 1
-        else:
-            park = retention.park
-            for block in blocks:
-                if park(block):
-                    num_parked += 1
-                else:
-                    insert(block)
-                num_blocks += 1
+            num_blocks += 1
         self.num_policy_blocks += num_blocks - num_parked
         self.num_free_blocks += num_blocks
 
@@ -161,22 +166,20 @@ class EvictionPolicy:
 
     def on_cached(
         self,
-        request: Request,
+        request: Request | None,
         blocks: Sequence[KVCacheBlock],
         start: int,
         end: int,
         block_size: int,
         skipped: Sequence[KVCacheBlock],
     ) -> None:
-        """Blocks `[start, end)` of a table were just cached (held; `skipped` were not)."""
+        """Blocks `[start, end)` of a table were just cached (held; `skipped` were not).
+
+        `request` is None for a prompt replayed by its block keys alone (no hints to apply).
+        """
         skipped_ids = {id(block) for block in skipped} if skipped else None
-        note = self.note_cached
-        for index in range(start, end):
-            block = blocks[index]
-            if skipped_ids is not None and id(block) in skipped_ids:
-                continue
-            note(block, blocks[index - 1] if index else None, (index + 1) * block_size)
-        if self.retention is not None and request.retention is not None:
+        self._note_cached_range(blocks, start, end, block_size, skipped_ids)
+        if self.retention is not None and request is not None and request.retention is not None:
             self.retention.apply_hints(
                 request, blocks, start, end, block_size, skipped_ids, is_new=True
             )
@@ -248,6 +251,37 @@ class EvictionPolicy:
 
     def _forget(self, block: KVCacheBlock) -> None:
         """`block` leaves the cache outside `_pop_victim` (drop per-block state)."""
+
+    def _note_cached_range(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        start: int,
+        end: int,
+        block_size: int,
+        skipped_ids: set[int] | None,
+    ) -> None:
+        """`note_cached` for blocks `[start, end)` of a table (override to batch)."""
+        note = self.note_cached
+        for index in range(start, end):
+            block = blocks[index]
+            if skipped_ids is not None and id(block) in skipped_ids:
+                continue
+            note(block, blocks[index - 1] if index else None, (index + 1) * block_size)
+
+    def _insert_many(self, blocks: Iterable[KVCacheBlock]) -> int:
+        """`_insert_cached` for each block, in order; return how many (override to batch)."""
+        insert = self._insert_cached
+        num_blocks = 0
+        for block in blocks:
+            insert(block)
+            num_blocks += 1
+        return num_blocks
+
+    def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
+        """Append `num_victims` victims to `out`, in order (override to batch)."""
+        pop = self._pop_victim
+        for _ in range(num_victims):
+            out.append(pop())
 
     def _insert_cached(self, block: KVCacheBlock) -> None:
         raise NotImplementedError

@@ -11,7 +11,7 @@ can never be hit. O(1) per operation (the ring of `lfu`, plus a FIFO of non-leav
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pagedkv.block import KVCacheBlock
@@ -68,6 +68,46 @@ class CostPolicy(LFUPolicy):
         super().note_cached(block, parent, end_token)
         self._cost[block.block_id] = 1.0 + end_token / self.attention_crossover_tokens
         self.links.link(block, parent)
+
+    def _note_cached_range(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        start: int,
+        end: int,
+        block_size: int,
+        skipped_ids: set[int] | None,
+    ) -> None:
+        counts, cost, link = self._access_count, self._cost, self.links.link
+        crossover = self.attention_crossover_tokens
+        for index in range(start, end):
+            block = blocks[index]
+            if skipped_ids is not None and id(block) in skipped_ids:
+                continue
+            block_id = block.block_id
+            counts[block_id] = 1
+            cost[block_id] = 1.0 + (index + 1) * block_size / crossover
+            link(block, blocks[index - 1] if index else None)
+
+    def _insert_many(self, blocks: Iterable[KVCacheBlock]) -> int:
+        # Hot path: a request's blocks are freed tail first, so only the tail is a leaf.
+        num_children = self.links.num_children
+        blocked_append = self._blocked.append
+        is_blocked = self._is_blocked
+        insert_leaf = super()._insert_cached
+        num_blocks = 0
+        for block in blocks:
+            if num_children[block.block_id]:
+                blocked_append(block)
+                is_blocked[block.block_id] = 1
+            else:
+                insert_leaf(block)
+            num_blocks += 1
+        return num_blocks
+
+    def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
+        pop = self._pop_victim
+        for _ in range(num_victims):
+            out.append(pop())
 
     def _insert_cached(self, block: KVCacheBlock) -> None:
         if self.links.num_children[block.block_id]:

@@ -10,7 +10,7 @@ and remove, and the victim search scans at most the ring.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pagedkv.block import KVCacheBlock
@@ -71,6 +71,52 @@ class LFUPolicy(EvictionPolicy):
     def _unlink(self, block: KVCacheBlock) -> None:
         self._ring[self._key[block.block_id] % self._ring_size].remove(block)
         self.num_ring_blocks -= 1
+
+    def _note_cached_range(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        start: int,
+        end: int,
+        block_size: int,
+        skipped_ids: set[int] | None,
+    ) -> None:
+        counts = self._access_count
+        for index in range(start, end):
+            block = blocks[index]
+            if skipped_ids is None or id(block) not in skipped_ids:
+                counts[block.block_id] = 1
+
+    def _insert_many(self, blocks: Iterable[KVCacheBlock]) -> int:
+        # Hot path: `_insert_cached` inlined (a request's blocks are freed together).
+        ring, ring_size, key_of = self._ring, self._ring_size, self._key
+        counts, age, max_value = self._access_count, self.age, self._max_value
+        num_blocks = 0
+        for block in blocks:
+            block_id = block.block_id
+            value = counts[block_id]
+            key = age + (value if value < max_value else max_value)
+            key_of[block_id] = key
+            ring[key % ring_size].append(block)
+            num_blocks += 1
+        self.num_ring_blocks += num_blocks
+        return num_blocks
+
+    def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
+        # Hot path: `_pop_ring` inlined; the key only moves up between victims.
+        if num_victims > self.num_ring_blocks:
+            raise InvariantViolation(f"{self.name}: {num_victims} victims wanted from the ring")
+        ring, ring_size, counts = self._ring, self._ring_size, self._access_count
+        key = self.age
+        for _ in range(num_victims):
+            queue = ring[key % ring_size]
+            while not queue.num_free_blocks:
+                key += 1
+                queue = ring[key % ring_size]
+            block = queue.popleft()
+            counts[block.block_id] = 0
+            out.append(block)
+        self.age = key
+        self.num_ring_blocks -= num_victims
 
     def _pop_ring(self) -> KVCacheBlock:
         """Unlink the ring's lowest key (FIFO among equals) and make its key the age."""

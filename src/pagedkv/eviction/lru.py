@@ -7,7 +7,7 @@ uncached by `evict_blocks` moves to the unhashed queue instead of keeping its pl
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pagedkv.block import KVCacheBlock
@@ -37,6 +37,15 @@ class LRUPolicy(EvictionPolicy):
 
     def _pop_victim(self) -> KVCacheBlock:
         return self._queue.popleft()
+
+    def _insert_many(self, blocks: Iterable[KVCacheBlock]) -> int:
+        queue = self._queue
+        before = queue.num_free_blocks
+        queue.append_n(blocks)
+        return queue.num_free_blocks - before
+
+    def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
+        out.extend(self._queue.popleft_n(num_victims))
 
     def _iter_cached(self) -> Iterator[KVCacheBlock]:
         return iter(self._queue)

@@ -11,7 +11,7 @@ while held and re-enters it at the new end when freed. O(1) amortised per operat
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pagedkv.block import KVCacheBlock
@@ -83,6 +83,52 @@ class S3FIFOPolicy(EvictionPolicy):
         else:
             self._small.remove(block)
 
+    def _note_cached_range(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        start: int,
+        end: int,
+        block_size: int,
+        skipped_ids: set[int] | None,
+    ) -> None:
+        # Hot path: `note_cached` inlined for group 0 (the ghost key is the hash itself).
+        ghost, queue_of, hits = self._ghost, self._queue_of, self._hits
+        num_main = 0
+        num_small = 0
+        for index in range(start, end):
+            block = blocks[index]
+            if skipped_ids is not None and id(block) in skipped_ids:
+                continue
+            block_id = block.block_id
+            key = block.block_hash if block.hash_group_id == 0 else ghost_key(block)
+            if key in ghost:
+                del ghost[key]
+                queue_of[block_id] = _MAIN
+                num_main += 1
+            else:
+                queue_of[block_id] = _SMALL
+                num_small += 1
+            hits[block_id] = 0
+        self.num_main_members += num_main
+        self.num_small_members += num_small
+
+    def _insert_many(self, blocks: Iterable[KVCacheBlock]) -> int:
+        queue_of = self._queue_of
+        small_append, main_append = self._small.append, self._main.append
+        num_blocks = 0
+        for block in blocks:
+            if queue_of[block.block_id] == _MAIN:
+                main_append(block)
+            else:
+                small_append(block)
+            num_blocks += 1
+        return num_blocks
+
+    def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
+        pop = self._pop_victim
+        for _ in range(num_victims):
+            out.append(pop())
+
     def _pop_victim(self) -> KVCacheBlock:
         small, main = self._small, self._main
         hits, queue_of = self._hits, self._queue_of
@@ -115,7 +161,7 @@ class S3FIFOPolicy(EvictionPolicy):
     def _remember(self, block: KVCacheBlock) -> None:
         """Add an S victim's key to the ghost FIFO, dropping the oldest beyond capacity."""
         ghost = self._ghost
-        ghost[ghost_key(block)] = None
+        ghost[block.block_hash if block.hash_group_id == 0 else ghost_key(block)] = None
         if len(ghost) > self.ghost_capacity:
             ghost.popitem(last=False)
 

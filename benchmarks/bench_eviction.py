@@ -1,0 +1,101 @@
+"""Eviction policies on the hot path (issue 13 item 7), run by hand; prints JSON.
+
+The serving loops of bench_core.py (decode: no eviction; shared prefix: a pool smaller than
+the working set, so every admission evicts) once per policy, rounds alternating the policy
+order; each op's median microseconds per call, and its ratio to `lru` (the reference's plain
+free queue) measured in the same run. Timings on a shared machine are noisy: compare ratios.
+
+    python benchmarks/bench_eviction.py [--rounds 3] [--scale 0.25] [--policies lru,lfu,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_core import run_serving  # noqa: E402
+
+from pagedkv.eviction import ONLINE_POLICY_NAMES  # noqa: E402
+
+OPS = ("lookup", "prefill", "decode", "free")
+
+
+def scenarios(scale: float) -> dict[str, dict]:
+    """bench_core's decode and shared-prefix workloads, `scale` times as many requests."""
+    rng = random.Random(0)
+    num_requests = max(64, int(1024 * scale))
+    decode_prompts = [[rng.randrange(32000) for _ in range(1000)] for _ in range(num_requests)]
+    rng = random.Random(1)
+    system = [rng.randrange(32000) for _ in range(4000)]
+    shared_prompts = [
+        system + [rng.randrange(32000) for _ in range(1000)] for _ in range(num_requests)
+    ]
+    return {
+        "decode": dict(prompts=decode_prompts, num_blocks=20000),
+        "shared_prefix": dict(prompts=shared_prompts, num_blocks=12000),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--scale", type=float, default=0.25, help="fraction of bench_core's size")
+    parser.add_argument("--policies", default=",".join(ONLINE_POLICY_NAMES))
+    parser.add_argument("--batched", action="store_true", help="use allocate_decode_slots")
+    args = parser.parse_args()
+    policies = args.policies.split(",")
+    result: dict = {
+        "python": sys.version.split()[0],
+        "machine": platform.machine(),
+        "rounds": args.rounds,
+        "scale": args.scale,
+    }
+    for name, scenario in scenarios(args.scale).items():
+        samples: dict[str, dict[str, list[float]]] = {p: {op: [] for op in OPS} for p in policies}
+        hit_rates: dict[str, float] = {}
+        for round_index in range(args.rounds):
+            order = (
+                policies[round_index % len(policies) :] + policies[: round_index % len(policies)]
+            )
+            for policy in order:
+                run = run_serving(
+                    num_requests=len(scenario["prompts"]),
+                    batch=256,
+                    prompts=scenario["prompts"],
+                    decode_steps=200,
+                    num_blocks=scenario["num_blocks"],
+                    batched=args.batched,
+                    eviction=policy,
+                )
+                hit_rates[policy] = run["hit_rate"]
+                for op in OPS:
+                    if op in run["us_per_call"]:
+                        samples[policy][op].append(run["us_per_call"][op])
+        medians = {
+            p: {op: statistics.median(v) for op, v in ops.items() if v}
+            for p, ops in samples.items()
+        }
+        base = medians.get("lru", {})
+        result[name] = {
+            p: {
+                "us_per_call": {op: round(value, 3) for op, value in medians[p].items()},
+                "ratio_to_lru": {
+                    op: round(value / base[op], 3) for op, value in medians[p].items() if op in base
+                },
+                "hit_rate": hit_rates[p],
+            }
+            for p in policies
+        }
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
