@@ -3,7 +3,9 @@
 The serving loops of bench_core.py (decode: no eviction; shared prefix: a pool smaller than
 the working set, so every admission evicts) once per policy, rounds alternating the policy
 order; each op's median microseconds per call, and its ratio to `lru` (the reference's plain
-free queue) measured in the same run. Timings on a shared machine are noisy: compare ratios.
+free queue) measured in the same run. Per-call times are this thread's CPU time
+(`time.thread_time`), so other processes on a shared machine disturb them less than wall time;
+still, compare ratios.
 
     python benchmarks/bench_eviction.py [--rounds 3] [--scale 0.25] [--policies lru,lfu,...]
 """
@@ -20,6 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import time  # noqa: E402
+
+import bench_core  # noqa: E402
 from bench_core import run_serving  # noqa: E402
 
 from pagedkv.eviction import ONLINE_POLICY_NAMES  # noqa: E402
@@ -51,6 +56,7 @@ def main() -> int:
     parser.add_argument("--batched", action="store_true", help="use allocate_decode_slots")
     args = parser.parse_args()
     policies = args.policies.split(",")
+    bench_core.perf_counter = time.thread_time  # CPU time of this thread per timed region
     result: dict = {
         "python": sys.version.split()[0],
         "machine": platform.machine(),

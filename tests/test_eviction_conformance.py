@@ -234,3 +234,36 @@ def test_negative_pop_is_refused_by_every_free_block_set():
             free.popleft_n(-1)
         with pytest.raises(InvalidArgumentError, match="only 5"):
             free.popleft_n(6)
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_batched_victims_equal_one_at_a_time(policy):
+    """`popleft_n(n)` takes victims in batches where it can: the same blocks, in the same
+    order, leaving the same state, as n calls of `popleft_n(1)` after the same history."""
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(40) for _ in range(8)] for _ in range(3)]
+    workload = [
+        rng.choice(prefixes) + [rng.randrange(40) for _ in range(rng.randrange(1, 30))]
+        for _ in range(120)
+    ]
+    pools = []
+    for _ in range(2):
+        manager = manager_for((policy, False), 60)
+        held = []
+        for index, tokens in enumerate(workload):
+            request = make_request(f"r{index}", tokens, BS)
+            assert admit(manager, request)[0] is not None
+            held.append(request)
+            if index % 3:  # some requests keep their blocks a while: hits on held blocks
+                for request in held:
+                    manager.free(request)
+                held.clear()
+        pools.append(manager.block_pool)
+    batched, single = pools
+    free = batched.get_num_free_blocks()
+    order = [b.block_id for b in batched.get_new_blocks(free)]
+    one_by_one = [single.get_new_blocks(1)[0].block_id for _ in range(free)]
+    assert order == one_by_one
+    assert batched.take_events() == single.take_events()
+    batched.check_invariants()
+    single.check_invariants()

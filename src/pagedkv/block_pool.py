@@ -242,16 +242,10 @@ class BlockPool:
         policy = self.eviction_policy
         assert policy is not None
         null_block = self.null_block
-        remove = policy.remove
-        on_hit_held = policy.on_hit_held
+        policy.take_hits(blocks, null_block)
         for block in blocks:
-            if block is null_block:
-                continue
-            if block.ref_cnt == 0:
-                remove(block)
-            else:
-                on_hit_held(block)
-            block.ref_cnt += 1
+            if block is not null_block:
+                block.ref_cnt += 1
         collector = self.metrics_collector
         if collector is not None:
             for block in blocks:

@@ -11,6 +11,7 @@ blocks too, as ARC's sizes do. O(1) per operation.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -84,20 +85,70 @@ class ARCPolicy(EvictionPolicy):
 
     def _insert_many(self, blocks: Iterable[KVCacheBlock]) -> int:
         in_t2 = self._in_t2
-        t1_append, t2_append = self._t1.append, self._t2.append
-        num_blocks = 0
+        to_t1: list[KVCacheBlock] = []
+        to_t2: list[KVCacheBlock] = []
         for block in blocks:
-            if in_t2[block.block_id]:
-                t2_append(block)
-            else:
-                t1_append(block)
-            num_blocks += 1
-        return num_blocks
+            (to_t2 if in_t2[block.block_id] else to_t1).append(block)
+        if to_t1:
+            self._t1.append_n(to_t1)
+        if to_t2:
+            self._t2.append_n(to_t2)
+        return len(to_t1) + len(to_t2)
+
+    def take_hits(self, blocks: Sequence[KVCacheBlock], null_block: KVCacheBlock) -> None:
+        if self.retention is not None:
+            super().take_hits(blocks, null_block)
+            return
+        # Hot path: `remove` / `on_hit_held` inlined (a lookup's hits are adopted together).
+        in_t2 = self._in_t2
+        t1_remove, t2_remove = self._t1.remove, self._t2.remove
+        unhashed_remove = self._unhashed.remove
+        num_unhashed = num_cached = num_promoted = 0
+        for block in blocks:
+            if block is null_block:
+                continue
+            block_id = block.block_id
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    unhashed_remove(block)
+                    num_unhashed += 1
+                    continue
+                (t2_remove if in_t2[block_id] else t1_remove)(block)
+                num_cached += 1
+            if not in_t2[block_id]:
+                in_t2[block_id] = 1
+                num_promoted += 1
+        self.num_t1_members -= num_promoted
+        self.num_t2_members += num_promoted
+        self.num_policy_blocks -= num_cached
+        self.num_free_blocks -= num_cached + num_unhashed
 
     def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
-        pop = self._pop_victim
-        for _ in range(num_victims):
-            out.append(pop())
+        """`_pop_victim` in batches: the victims of one list, while the rule keeps choosing it."""
+        t1, t2 = self._t1, self._t2
+        b1, b2, in_t2 = self._b1, self._b2, self._in_t2
+        num_left = num_victims
+        while num_left:
+            num_t1 = self.num_t1_members
+            if t1.num_free_blocks and (num_t1 > self.target_t1_blocks or not t2.num_free_blocks):
+                num_taken = min(num_left, t1.num_free_blocks)
+                if t2.num_free_blocks:
+                    # T1 stays the source while it holds more than the target.
+                    num_taken = min(num_taken, math.ceil(num_t1 - self.target_t1_blocks))
+                for block in t1.popleft_n(num_taken):
+                    b1[ghost_key(block)] = None
+                    out.append(block)
+                self.num_t1_members -= num_taken
+            else:
+                # Taking from T2 leaves |T1| alone, so the rule keeps choosing T2.
+                num_taken = min(num_left, t2.num_free_blocks)
+                for block in t2.popleft_n(num_taken):
+                    in_t2[block.block_id] = 0
+                    b2[ghost_key(block)] = None
+                    out.append(block)
+                self.num_t2_members -= num_taken
+            num_left -= num_taken
+            self._trim_ghosts()
 
     def _pop_victim(self) -> KVCacheBlock:
         t1, t2 = self._t1, self._t2

@@ -184,6 +184,19 @@ class EvictionPolicy:
                 request, blocks, start, end, block_size, skipped_ids, is_new=True
             )
 
+    def take_hits(self, blocks: Sequence[KVCacheBlock], null_block: KVCacheBlock) -> None:
+        """Prefix hits are adopted (the pool then adds a reference to each): free ones leave
+        the free set, every one counts an access. The null block is skipped."""
+        remove = self.remove
+        on_hit_held = self.on_hit_held
+        for block in blocks:
+            if block is null_block:
+                continue
+            if block.ref_cnt == 0:
+                remove(block)
+            else:
+                on_hit_held(block)
+
     def on_hit_held(self, block: KVCacheBlock) -> None:
         """A block already held by a request is hit by another one."""
         self.note_hit(block)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from pagedkv.block import KVCacheBlock
 from pagedkv.errors import ConfigError, InvariantViolation
-from pagedkv.eviction.lfu import LFUPolicy
+from pagedkv.eviction.lfu import MAX_ACCESS_COUNT, LFUPolicy
 from pagedkv.eviction.prefix_links import PrefixLinks
 from pagedkv.free_queue import FreeKVCacheBlockQueue
 
@@ -108,6 +108,38 @@ class CostPolicy(LFUPolicy):
         pop = self._pop_victim
         for _ in range(num_victims):
             out.append(pop())
+
+    def take_hits(self, blocks: Sequence[KVCacheBlock], null_block: KVCacheBlock) -> None:
+        if self.retention is not None:
+            super().take_hits(blocks, null_block)
+            return
+        # Hot path: as `lfu`, with the non-leaves' FIFO.
+        ring, ring_size, key_of = self._ring, self._ring_size, self._key
+        counts, is_blocked = self._access_count, self._is_blocked
+        unhashed_remove, blocked_remove = self._unhashed.remove, self._blocked.remove
+        num_unhashed = num_ring = num_blocked = 0
+        for block in blocks:
+            if block is null_block:
+                continue
+            block_id = block.block_id
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    unhashed_remove(block)
+                    num_unhashed += 1
+                    continue
+                if is_blocked[block_id]:
+                    blocked_remove(block)
+                    is_blocked[block_id] = 0
+                    num_blocked += 1
+                else:
+                    ring[key_of[block_id] % ring_size].remove(block)
+                    num_ring += 1
+            count = counts[block_id]
+            if count < MAX_ACCESS_COUNT:
+                counts[block_id] = count + 1
+        self.num_ring_blocks -= num_ring
+        self.num_policy_blocks -= num_ring + num_blocked
+        self.num_free_blocks -= num_ring + num_blocked + num_unhashed
 
     def _insert_cached(self, block: KVCacheBlock) -> None:
         if self.links.num_children[block.block_id]:

@@ -101,20 +101,53 @@ class LFUPolicy(EvictionPolicy):
         self.num_ring_blocks += num_blocks
         return num_blocks
 
+    def take_hits(self, blocks: Sequence[KVCacheBlock], null_block: KVCacheBlock) -> None:
+        if self.retention is not None:
+            super().take_hits(blocks, null_block)
+            return
+        # Hot path: `remove` / `on_hit_held` inlined (a lookup's hits are adopted together).
+        ring, ring_size, key_of = self._ring, self._ring_size, self._key
+        counts = self._access_count
+        unhashed_remove = self._unhashed.remove
+        num_unhashed = num_ring = 0
+        for block in blocks:
+            if block is null_block:
+                continue
+            block_id = block.block_id
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    unhashed_remove(block)
+                    num_unhashed += 1
+                    continue
+                ring[key_of[block_id] % ring_size].remove(block)
+                num_ring += 1
+            count = counts[block_id]
+            if count < MAX_ACCESS_COUNT:
+                counts[block_id] = count + 1
+        self.num_ring_blocks -= num_ring
+        self.num_policy_blocks -= num_ring
+        self.num_free_blocks -= num_ring + num_unhashed
+
     def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
-        # Hot path: `_pop_ring` inlined; the key only moves up between victims.
+        # Hot path: the lowest buckets are taken whole (the key only moves up meanwhile).
         if num_victims > self.num_ring_blocks:
             raise InvariantViolation(f"{self.name}: {num_victims} victims wanted from the ring")
         ring, ring_size, counts = self._ring, self._ring_size, self._access_count
         key = self.age
-        for _ in range(num_victims):
+        num_left = num_victims
+        while num_left:
             queue = ring[key % ring_size]
-            while not queue.num_free_blocks:
+            num_taken = queue.num_free_blocks
+            if not num_taken:
                 key += 1
-                queue = ring[key % ring_size]
-            block = queue.popleft()
-            counts[block.block_id] = 0
-            out.append(block)
+                continue
+            if num_taken > num_left:
+                num_taken = num_left
+            taken = queue.popleft_n(num_taken)
+            for block in taken:
+                counts[block.block_id] = 0
+            out += taken
+            num_left -= num_taken
         self.age = key
         self.num_ring_blocks -= num_victims
 

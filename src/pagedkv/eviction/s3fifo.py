@@ -114,20 +114,91 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def _insert_many(self, blocks: Iterable[KVCacheBlock]) -> int:
         queue_of = self._queue_of
-        small_append, main_append = self._small.append, self._main.append
-        num_blocks = 0
+        to_small: list[KVCacheBlock] = []
+        to_main: list[KVCacheBlock] = []
         for block in blocks:
-            if queue_of[block.block_id] == _MAIN:
-                main_append(block)
-            else:
-                small_append(block)
-            num_blocks += 1
-        return num_blocks
+            (to_main if queue_of[block.block_id] == _MAIN else to_small).append(block)
+        if to_small:
+            self._small.append_n(to_small)
+        if to_main:
+            self._main.append_n(to_main)
+        return len(to_small) + len(to_main)
+
+    def take_hits(self, blocks: Sequence[KVCacheBlock], null_block: KVCacheBlock) -> None:
+        if self.retention is not None:
+            super().take_hits(blocks, null_block)
+            return
+        # Hot path: `remove` / `on_hit_held` inlined (a lookup's hits are adopted together).
+        queue_of, hits = self._queue_of, self._hits
+        small_remove, main_remove = self._small.remove, self._main.remove
+        unhashed_remove = self._unhashed.remove
+        num_unhashed = num_cached = 0
+        for block in blocks:
+            if block is null_block:
+                continue
+            block_id = block.block_id
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    unhashed_remove(block)
+                    num_unhashed += 1
+                    continue
+                (main_remove if queue_of[block_id] == _MAIN else small_remove)(block)
+                num_cached += 1
+            if hits[block_id] < MAX_HITS:
+                hits[block_id] += 1
+        self.num_policy_blocks -= num_cached
+        self.num_free_blocks -= num_cached + num_unhashed
 
     def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
-        pop = self._pop_victim
-        for _ in range(num_victims):
-            out.append(pop())
+        """`_pop_victim` in batches: a run of S (or M) blocks is taken at once when no rule
+        could change between them (the same victims, in the same order)."""
+        small, main = self._small, self._main
+        hits, queue_of = self._hits, self._queue_of
+        ghost, ghost_capacity = self._ghost, self.ghost_capacity
+        num_left = num_victims
+        while num_left:
+            num_small = self.num_small_members
+            if small.num_free_blocks and (
+                num_small >= self.small_target or not main.num_free_blocks
+            ):
+                # Each block taken leaves S, so S stays the source while it is at its target
+                # (below it, S is the source only while M is empty: one block at a time).
+                num_taken = 1
+                if num_small >= self.small_target:
+                    num_taken = min(
+                        num_left, small.num_free_blocks, num_small - self.small_target + 1
+                    )
+                promoted = []
+                for block in small.popleft_n(num_taken):
+                    block_id = block.block_id
+                    if hits[block_id]:
+                        hits[block_id] = 0
+                        queue_of[block_id] = _MAIN
+                        promoted.append(block)
+                        continue
+                    block_hash = block.block_hash
+                    ghost[block_hash if block.hash_group_id == 0 else ghost_key(block)] = None
+                    out.append(block)
+                    num_left -= 1
+                while len(ghost) > ghost_capacity:
+                    ghost.popitem(last=False)
+                self.num_small_members -= num_taken
+                if promoted:
+                    self.num_main_members += len(promoted)
+                    main.append_n(promoted)
+                continue
+            again = []
+            for block in main.popleft_n(min(num_left, main.num_free_blocks)):
+                block_id = block.block_id
+                if hits[block_id]:
+                    hits[block_id] -= 1
+                    again.append(block)
+                    continue
+                self.num_main_members -= 1
+                out.append(block)
+                num_left -= 1
+            if again:
+                main.append_n(again)
 
     def _pop_victim(self) -> KVCacheBlock:
         small, main = self._small, self._main
