@@ -50,6 +50,43 @@ class ARCPolicy(EvictionPolicy):
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
 
+    def _note_cached_range(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        start: int,
+        end: int,
+        block_size: int,
+        skipped_ids: set[int] | None,
+    ) -> None:
+        # Hot path: `note_cached` inlined; the ghosts are trimmed once for the run.
+        b1, b2, in_t2 = self._b1, self._b2, self._in_t2
+        capacity = float(self.capacity)
+        num_t1 = num_t2 = 0
+        for index in range(start, end):
+            block = blocks[index]
+            if skipped_ids is not None and id(block) in skipped_ids:
+                continue
+            key = block.block_hash if block.hash_group_id == 0 else ghost_key(block)
+            if key in b1:
+                self.target_t1_blocks = min(
+                    capacity, self.target_t1_blocks + max(1.0, len(b2) / len(b1))
+                )
+                del b1[key]
+            elif key in b2:
+                self.target_t1_blocks = max(
+                    0.0, self.target_t1_blocks - max(1.0, len(b1) / len(b2))
+                )
+                del b2[key]
+            else:
+                in_t2[block.block_id] = 0
+                num_t1 += 1
+                continue
+            in_t2[block.block_id] = 1
+            num_t2 += 1
+        self.num_t1_members += num_t1
+        self.num_t2_members += num_t2
+        self._trim_ghosts()
+
     def note_cached(self, block: KVCacheBlock, parent: KVCacheBlock | None, end_token: int) -> None:
         key = ghost_key(block)
         b1, b2 = self._b1, self._b2

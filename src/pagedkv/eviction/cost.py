@@ -1,12 +1,14 @@
-"""Eviction policy `cost`: prefix-aware, value = reuse x recompute cost, leaves only.
+"""Eviction policy `cost`: prefix-aware, value = reuse x recompute cost, children first.
 
 A block's value is its access count times the cost of recomputing it, which grows with its
 depth: `1 + end_token / attention_crossover_tokens` (the attention FLOPs of a token grow with
 its position; at `attention_crossover_tokens` they equal the token's linear FLOPs, about 32k
-tokens for an 8B Llama). Victims are chosen as in `lfu` (lowest `age + value`, the age
-rising to each victim's key: GreedyDual-Size-Frequency aging), but only among *leaves*: a
-block with a cached child is never evicted while that child remains, since an orphaned child
-can never be hit. O(1) per operation (the ring of `lfu`, plus a FIFO of non-leaves).
+tokens for an 8B Llama). Its key is `age + value` when it is freed, as in `lfu`
+(GreedyDual-Size-Frequency aging), raised to the highest key any of its cached children was
+freed with: a prefix is worth what its most valuable continuation is worth, and since a
+parent is never freed before its children (a request holding a child holds its parent), the
+lowest key first, oldest first among equals, never evicts a parent while a cached child is
+free. O(1): `lfu`'s ring, plus one parent link per block.
 """
 
 from __future__ import annotations
@@ -16,9 +18,7 @@ from typing import TYPE_CHECKING
 
 from pagedkv.block import KVCacheBlock
 from pagedkv.errors import ConfigError, InvariantViolation
-from pagedkv.eviction.lfu import MAX_ACCESS_COUNT, LFUPolicy
-from pagedkv.eviction.prefix_links import PrefixLinks
-from pagedkv.free_queue import FreeKVCacheBlockQueue
+from pagedkv.eviction.lfu import LFUPolicy
 
 if TYPE_CHECKING:
     from pagedkv.eviction.retention_levels import RetentionLevels
@@ -29,13 +29,14 @@ MAX_VALUE = 256
 
 
 class CostPolicy(LFUPolicy):
-    """`lfu`'s order over free leaves; free blocks with a cached child wait in `_blocked`.
+    """`lfu`'s ring with chain-monotone keys.
 
-    Invariants: a free cached block is in the ring iff it has no cached child (a leaf), else
-    in `_blocked`; a parent never leaves before its children, except as a documented
-    fallback: when every free cached block has a cached child that is *held* (a sliding
-    window freed the parent but a request still holds the child), the oldest blocked block
-    is evicted, since the pool must hand out every block it counts as free.
+    Invariants: a block's parent link is live while the parent keeps the cache identity it
+    had when the block was cached (`_gen` unchanged); `_child_key[p]` is at least the key
+    every child of p with a live link was last freed with; so, among free cached blocks, a
+    child is always ahead of its parent in the eviction order. Documented exception: a parent
+    freed while a child is *held* (a sliding window frees the blocks it slid past) can be
+    evicted before that child, as any block the pool counts as free must be.
     """
 
     name = "cost"
@@ -52,11 +53,12 @@ class CostPolicy(LFUPolicy):
             )
         super().__init__(blocks, retention, max_value=MAX_VALUE)
         self.attention_crossover_tokens = attention_crossover_tokens
-        self._cost = [1.0] * self.num_blocks
-        self.links = PrefixLinks(self.num_blocks)
-        self._blocked = FreeKVCacheBlockQueue(())
-        self._is_blocked = bytearray(self.num_blocks)
-        self.num_fallback_evictions = 0
+        num_blocks = self.num_blocks
+        self._cost = [1.0] * num_blocks
+        self._parent_id = [-1] * num_blocks
+        self._parent_gen = [0] * num_blocks
+        self._gen = [0] * num_blocks
+        self._child_key = [0] * num_blocks
 
     def _value(self, block: KVCacheBlock) -> int:
         block_id = block.block_id
@@ -65,9 +67,22 @@ class CostPolicy(LFUPolicy):
         )
 
     def note_cached(self, block: KVCacheBlock, parent: KVCacheBlock | None, end_token: int) -> None:
-        super().note_cached(block, parent, end_token)
-        self._cost[block.block_id] = 1.0 + end_token / self.attention_crossover_tokens
-        self.links.link(block, parent)
+        block_id = block.block_id
+        self._access_count[block_id] = 1
+        self._cost[block_id] = 1.0 + end_token / self.attention_crossover_tokens
+        self._link(block, parent)
+
+    def _link(self, block: KVCacheBlock, parent: KVCacheBlock | None) -> None:
+        block_id = block.block_id
+        if (
+            parent is None
+            or parent.block_hash is None
+            or (parent.hash_group_id != block.hash_group_id)
+        ):
+            self._parent_id[block_id] = -1
+        else:
+            self._parent_id[block_id] = parent.block_id
+            self._parent_gen[block_id] = self._gen[parent.block_id]
 
     def _note_cached_range(
         self,
@@ -77,126 +92,119 @@ class CostPolicy(LFUPolicy):
         block_size: int,
         skipped_ids: set[int] | None,
     ) -> None:
-        counts, cost, link = self._access_count, self._cost, self.links.link
-        crossover = self.attention_crossover_tokens
+        # Hot path: `note_cached` inlined; the parent of each block is the one before it.
+        counts, cost = self._access_count, self._cost
+        parent_ids, parent_gens, gens = self._parent_id, self._parent_gen, self._gen
+        tokens_per_cost = block_size / self.attention_crossover_tokens
+        parent = blocks[start - 1] if start else None
         for index in range(start, end):
             block = blocks[index]
             if skipped_ids is not None and id(block) in skipped_ids:
+                parent = block
                 continue
             block_id = block.block_id
             counts[block_id] = 1
-            cost[block_id] = 1.0 + (index + 1) * block_size / crossover
-            link(block, blocks[index - 1] if index else None)
+            cost[block_id] = 1.0 + (index + 1) * tokens_per_cost
+            if (
+                parent is None
+                or parent.block_hash is None
+                or parent.hash_group_id != block.hash_group_id
+            ):
+                parent_ids[block_id] = -1
+            else:
+                parent_ids[block_id] = parent.block_id
+                parent_gens[block_id] = gens[parent.block_id]
+            parent = block
+
+    def _insert_cached(self, block: KVCacheBlock) -> None:
+        self._insert_many((block,))
 
     def _insert_many(self, blocks: Iterable[KVCacheBlock]) -> int:
-        # Hot path: a request's blocks are freed tail first, so only the tail is a leaf.
-        num_children = self.links.num_children
-        blocked_append = self._blocked.append
-        is_blocked = self._is_blocked
-        insert_leaf = super()._insert_cached
+        # Hot path: keys computed inline; a request's blocks come tail first, so each child
+        # raises its parent's floor before the parent's own key is computed.
+        ring, ring_size, key_of = self._ring, self._ring_size, self._key
+        counts, cost, child_key = self._access_count, self._cost, self._child_key
+        parent_ids, parent_gens, gens = self._parent_id, self._parent_gen, self._gen
+        age, max_value = self.age, self._max_value
         num_blocks = 0
+        run: list[KVCacheBlock] = []
+        run_key = -1
         for block in blocks:
-            if num_children[block.block_id]:
-                blocked_append(block)
-                is_blocked[block.block_id] = 1
+            block_id = block.block_id
+            value = int(counts[block_id] * cost[block_id] * VALUE_UNITS_PER_ACCESS + 0.5)
+            key = age + (value if value < max_value else max_value)
+            floor = child_key[block_id]
+            if floor > key:
+                key = floor  # a child's key: at most age + max_value, as every live key
+            key_of[block_id] = key
+            if key != run_key:
+                if run:
+                    ring[run_key % ring_size].append_n(run)
+                    num_blocks += len(run)
+                run = [block]
+                run_key = key
             else:
-                insert_leaf(block)
-            num_blocks += 1
+                run.append(block)
+            parent_id = parent_ids[block_id]
+            if (
+                parent_id >= 0
+                and parent_gens[block_id] == gens[parent_id]
+                and key > child_key[parent_id]
+            ):
+                child_key[parent_id] = key
+        if run:
+            ring[run_key % ring_size].append_n(run)
+            num_blocks += len(run)
+        self.num_ring_blocks += num_blocks
         return num_blocks
 
     def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
-        pop = self._pop_victim
-        for _ in range(num_victims):
-            out.append(pop())
-
-    def take_hits(self, blocks: Sequence[KVCacheBlock], null_block: KVCacheBlock) -> None:
-        if self.retention is not None:
-            super().take_hits(blocks, null_block)
-            return
-        # Hot path: as `lfu`, with the non-leaves' FIFO.
-        ring, ring_size, key_of = self._ring, self._ring_size, self._key
-        counts, is_blocked = self._access_count, self._is_blocked
-        unhashed_remove, blocked_remove = self._unhashed.remove, self._blocked.remove
-        num_unhashed = num_ring = num_blocked = 0
-        for block in blocks:
-            if block is null_block:
-                continue
-            block_id = block.block_id
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    unhashed_remove(block)
-                    num_unhashed += 1
-                    continue
-                if is_blocked[block_id]:
-                    blocked_remove(block)
-                    is_blocked[block_id] = 0
-                    num_blocked += 1
-                else:
-                    ring[key_of[block_id] % ring_size].remove(block)
-                    num_ring += 1
-            count = counts[block_id]
-            if count < MAX_ACCESS_COUNT:
-                counts[block_id] = count + 1
-        self.num_ring_blocks -= num_ring
-        self.num_policy_blocks -= num_ring + num_blocked
-        self.num_free_blocks -= num_ring + num_blocked + num_unhashed
-
-    def _insert_cached(self, block: KVCacheBlock) -> None:
-        if self.links.num_children[block.block_id]:
-            self._blocked.append(block)
-            self._is_blocked[block.block_id] = 1
-        else:
-            super()._insert_cached(block)
-
-    def _unlink(self, block: KVCacheBlock) -> None:
-        if self._is_blocked[block.block_id]:
-            self._blocked.remove(block)
-            self._is_blocked[block.block_id] = 0
-        else:
-            super()._unlink(block)
+        start = len(out)
+        super()._pop_victims(num_victims, out)
+        parent_ids, gens, child_key = self._parent_id, self._gen, self._child_key
+        for index in range(start, len(out)):
+            block_id = out[index].block_id
+            gens[block_id] += 1  # its children's links go stale
+            parent_ids[block_id] = -1
+            child_key[block_id] = 0
 
     def _pop_victim(self) -> KVCacheBlock:
-        if self.num_ring_blocks:
-            block = self._pop_ring()
-        else:
-            block = self._blocked.popleft()
-            self._is_blocked[block.block_id] = 0
-            self.num_fallback_evictions += 1
-        self._leave(block)
-        return block
+        victims: list[KVCacheBlock] = []
+        self._pop_victims(1, victims)
+        return victims[0]
 
     def _forget(self, block: KVCacheBlock) -> None:
-        self._leave(block)
-
-    def _leave(self, block: KVCacheBlock) -> None:
-        """`block` leaves the cache: its parent may become an evictable leaf."""
-        self._access_count[block.block_id] = 0
-        parent_id = self.links.unlink(block)
-        if parent_id >= 0 and self._is_blocked[parent_id]:
-            parent = self.blocks[parent_id]
-            self._blocked.remove(parent)
-            self._is_blocked[parent_id] = 0
-            super()._insert_cached(parent)
-
-    def _iter_cached(self) -> Iterator[KVCacheBlock]:
-        """The leaves in eviction order, then the blocked parents (which become leaves, and
-        take a key, only as their children go)."""
-        yield from super()._iter_cached()
-        yield from self._blocked
+        block_id = block.block_id
+        self._access_count[block_id] = 0
+        self._gen[block_id] += 1
+        self._parent_id[block_id] = -1
+        self._child_key[block_id] = 0
 
     def _clear(self) -> None:
         super()._clear()
-        self.links.clear()
-        self._blocked = FreeKVCacheBlockQueue(())
-        self._is_blocked = bytearray(self.num_blocks)
+        self._gen = [generation + 1 for generation in self._gen]
+        self._parent_id = [-1] * self.num_blocks
+        self._child_key = [0] * self.num_blocks
 
     def _check(self) -> None:
         super()._check()
-        self._blocked.check_invariants()
-        self.links.check_invariants(list(self.blocks))
-        for block in self._blocked:
-            if not self._is_blocked[block.block_id] or self.links.is_leaf(block):
-                raise InvariantViolation(f"cost: blocked block {block.block_id} is a leaf")
-        for block in super()._iter_cached():
-            if not self.links.is_leaf(block):
-                raise InvariantViolation(f"cost: block {block.block_id} in the ring has a child")
+        position = {id(block): index for index, block in enumerate(super()._iter_cached())}
+        for block in self.blocks:
+            block_id = block.block_id
+            if block.block_hash is None:
+                if self._parent_id[block_id] >= 0 or self._child_key[block_id]:
+                    raise InvariantViolation(f"cost: uncached block {block_id} keeps a link")
+                continue
+            parent_id = self._parent_id[block_id]
+            if parent_id < 0 or self._parent_gen[block_id] != self._gen[parent_id]:
+                continue
+            parent = self.blocks[parent_id]
+            if id(block) in position and id(parent) in position:
+                if position[id(parent)] < position[id(block)]:
+                    raise InvariantViolation(
+                        f"cost: parent {parent_id} would be evicted before its child {block_id}"
+                    )
+
+    def _iter_cached(self) -> Iterator[KVCacheBlock]:
+        """Exact eviction order (as `lfu`)."""
+        return super()._iter_cached()

@@ -87,17 +87,29 @@ class LFUPolicy(EvictionPolicy):
                 counts[block.block_id] = 1
 
     def _insert_many(self, blocks: Iterable[KVCacheBlock]) -> int:
-        # Hot path: `_insert_cached` inlined (a request's blocks are freed together).
+        # Hot path: `_insert_cached` inlined; a request's blocks mostly share one key, so runs
+        # of equal keys go to their bucket in one call.
         ring, ring_size, key_of = self._ring, self._ring_size, self._key
         counts, age, max_value = self._access_count, self.age, self._max_value
         num_blocks = 0
+        run: list[KVCacheBlock] = []
+        run_key = -1
         for block in blocks:
             block_id = block.block_id
             value = counts[block_id]
             key = age + (value if value < max_value else max_value)
             key_of[block_id] = key
-            ring[key % ring_size].append(block)
-            num_blocks += 1
+            if key != run_key:
+                if run:
+                    ring[run_key % ring_size].append_n(run)
+                    num_blocks += len(run)
+                run = [block]
+                run_key = key
+            else:
+                run.append(block)
+        if run:
+            ring[run_key % ring_size].append_n(run)
+            num_blocks += len(run)
         self.num_ring_blocks += num_blocks
         return num_blocks
 
