@@ -173,7 +173,7 @@ class ARCPolicy(EvictionPolicy):
                     # T1 stays the source while it holds more than the target.
                     num_taken = min(num_taken, math.ceil(num_t1 - self.target_t1_blocks))
                 for block in t1.popleft_n(num_taken):
-                    b1[ghost_key(block)] = None
+                    b1[block.block_hash if block.hash_group_id == 0 else ghost_key(block)] = None
                     out.append(block)
                 self.num_t1_members -= num_taken
             else:
@@ -181,7 +181,7 @@ class ARCPolicy(EvictionPolicy):
                 num_taken = min(num_left, t2.num_free_blocks)
                 for block in t2.popleft_n(num_taken):
                     in_t2[block.block_id] = 0
-                    b2[ghost_key(block)] = None
+                    b2[block.block_hash if block.hash_group_id == 0 else ghost_key(block)] = None
                     out.append(block)
                 self.num_t2_members -= num_taken
             num_left -= num_taken

@@ -159,14 +159,32 @@ class CostPolicy(LFUPolicy):
         return num_blocks
 
     def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
-        start = len(out)
-        super()._pop_victims(num_victims, out)
+        # Hot path: `lfu`'s batched victims, each victim's links dropped in the same loop.
+        if num_victims > self.num_ring_blocks:
+            raise InvariantViolation(f"cost: {num_victims} victims wanted from the ring")
+        ring, ring_size, counts = self._ring, self._ring_size, self._access_count
         parent_ids, gens, child_key = self._parent_id, self._gen, self._child_key
-        for index in range(start, len(out)):
-            block_id = out[index].block_id
-            gens[block_id] += 1  # its children's links go stale
-            parent_ids[block_id] = -1
-            child_key[block_id] = 0
+        key = self.age
+        num_left = num_victims
+        while num_left:
+            queue = ring[key % ring_size]
+            num_taken = queue.num_free_blocks
+            if not num_taken:
+                key += 1
+                continue
+            if num_taken > num_left:
+                num_taken = num_left
+            taken = queue.popleft_n(num_taken)
+            for block in taken:
+                block_id = block.block_id
+                counts[block_id] = 0
+                gens[block_id] += 1  # its children's links go stale
+                parent_ids[block_id] = -1
+                child_key[block_id] = 0
+            out += taken
+            num_left -= num_taken
+        self.age = key
+        self.num_ring_blocks -= num_victims
 
     def _pop_victim(self) -> KVCacheBlock:
         victims: list[KVCacheBlock] = []
