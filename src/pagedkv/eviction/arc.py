@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pagedkv.block import KVCacheBlock
@@ -47,8 +47,8 @@ class ARCPolicy(EvictionPolicy):
         self._in_t2 = bytearray(self.num_blocks)
         self.num_t1_members = 0
         self.num_t2_members = 0
-        self._b1: OrderedDict[bytes, None] = OrderedDict()
-        self._b2: OrderedDict[bytes, None] = OrderedDict()
+        self._b1: OrderedDict[Hashable, None] = OrderedDict()
+        self._b2: OrderedDict[Hashable, None] = OrderedDict()
 
     def _note_cached_range(
         self,

@@ -8,7 +8,7 @@ lost its cache entry). Knows nothing of hash maps' contents or of request lifecy
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from pagedkv.block import BlockHash, KVCacheBlock
@@ -20,12 +20,12 @@ if TYPE_CHECKING:
     from pagedkv.request import Request
 
 
-def ghost_key(block: KVCacheBlock) -> bytes:
-    """A cache key that survives the block (for ghost lists): the hash, plus the group if not 0."""
+def ghost_key(block: KVCacheBlock) -> Hashable:
+    """A cache key that outlives the block (for ghost lists): the hash in group 0, else the
+    hash with its group. (Callers inline the group-0 case on hot paths.)"""
     block_hash = block.block_hash
-    assert block_hash is not None
     group_id = block.hash_group_id
-    return block_hash if group_id == 0 else block_hash + group_id.to_bytes(4, "big")
+    return block_hash if group_id == 0 else (block_hash, group_id)
 
 
 class EvictionPolicy:

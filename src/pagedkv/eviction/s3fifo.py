@@ -11,7 +11,7 @@ while held and re-enters it at the new end when freed. O(1) amortised per operat
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pagedkv.block import KVCacheBlock
@@ -50,7 +50,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._main = FreeKVCacheBlockQueue(())
         self._queue_of = bytearray(self.num_blocks)
         self._hits = bytearray(self.num_blocks)
-        self._ghost: OrderedDict[bytes, None] = OrderedDict()
+        self._ghost: OrderedDict[Hashable, None] = OrderedDict()
         self.num_small_members = 0
         self.num_main_members = 0
 
