@@ -24,11 +24,12 @@ from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, cd
 
 ProgressCallback = Callable[[int], None]  # called with the number of requests done so far
 
-# Resident bytes a pool needs per block (block, free-list links, hash-map entry) plus what each
-# policy keeps per block; measured with benchmarks/bench_memory.py-style tracemalloc runs and
-# rounded up. Used to refuse a sweep that would not fit in memory, before building it.
-BYTES_PER_BLOCK = {"lru": 200, "lfu": 260, "s3fifo": 240, "arc": 260, "cost": 420, "belady": 520}
-ORACLE_BYTES_PER_USE = 80  # the oracle's next-use arrays and key index, per block use
+# Resident bytes per block of a pool with SHA-256 keys after two full turnovers (block, links,
+# hash and hash-map entry, the policy's per-block state and ghosts), measured with tracemalloc
+# (100k-block pools) and rounded up; the oracle's bytes per block use include the key lists it
+# keeps. Used to refuse a sweep that would not fit in memory, before building it.
+BYTES_PER_BLOCK = {"lru": 320, "lfu": 330, "s3fifo": 580, "arc": 320, "cost": 400, "belady": 380}
+ORACLE_BYTES_PER_USE = 120
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,15 @@ def estimate_memory_bytes(
 
 
 def available_memory_bytes() -> int | None:
-    """Memory the system can still give this process (None where the OS does not say)."""
+    """Memory the system can still give this process: Linux's MemAvailable (free memory plus
+    reclaimable caches), else free pages; None where the OS does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
