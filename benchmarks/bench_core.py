@@ -35,6 +35,8 @@ def make_manager(
 ) -> KVCacheManager:
     spec = FullAttentionSpec(block_size, 8, 128, 2)
     config = KVCacheConfig(num_blocks, [KVCacheGroupSpec(["layer0"], spec)])
+    if eviction is None:  # the default; also runs against trees without pagedkv.eviction
+        return KVCacheManager(config, max_model_len=max_model_len)
     return KVCacheManager(config, max_model_len=max_model_len, eviction=eviction)
 
 
