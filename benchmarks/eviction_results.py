@@ -41,8 +41,9 @@ def run(trace_names: list[str], block_sizes: list[int], policies: list[str]) -> 
             path = RESULTS / f"eviction_{name}_{block_size}.json"
             done = json.loads(path.read_text()) if path.exists() else {"points": []}
             capacities = [tokens // block_size for tokens in CAPACITY_TOKENS]
-            # At block size 16 one policy per pass keeps a pass under ~2 GB.
-            groups = [[p] for p in policies] if block_size < 128 else [policies]
+            # One pass for every policy: the trace is hashed once (twice with belady's future);
+            # the sweep's memory estimate is checked against the machine's before it starts.
+            groups = [policies]
             for group in groups:
                 group = [p for p in group if p not in {q["policy"] for q in done["points"]}]
                 if not group:

@@ -261,7 +261,10 @@ def test_batched_victims_equal_one_at_a_time(policy):
         pools.append(manager.block_pool)
     batched, single = pools
     free = batched.get_num_free_blocks()
+    listed = batched.free_block_ids()
     order = [b.block_id for b in batched.get_new_blocks(free)]
+    if policy != "belady":  # belady lists a waiting parent before it gets its key
+        assert order == listed  # free_block_ids() is the exact reuse order
     one_by_one = [single.get_new_blocks(1)[0].block_id for _ in range(free)]
     assert order == one_by_one
     assert batched.take_events() == single.take_events()
