@@ -58,33 +58,40 @@ class ARCPolicy(EvictionPolicy):
         block_size: int,
         skipped_ids: set[int] | None,
     ) -> None:
-        # Hot path: `note_cached` inlined; the ghosts are trimmed once for the run.
-        b1, b2, in_t2 = self._b1, self._b2, self._in_t2
-        capacity = float(self.capacity)
-        num_t1 = num_t2 = 0
-        for index in range(start, end):
-            block = blocks[index]
-            if skipped_ids is not None and id(block) in skipped_ids:
-                continue
-            key = block.block_hash if block.hash_group_id == 0 else ghost_key(block)
-            if key in b1:
-                self.target_t1_blocks = min(
-                    capacity, self.target_t1_blocks + max(1.0, len(b2) / len(b1))
-                )
-                del b1[key]
-            elif key in b2:
-                self.target_t1_blocks = max(
-                    0.0, self.target_t1_blocks - max(1.0, len(b1) / len(b2))
-                )
-                del b2[key]
-            else:
-                in_t2[block.block_id] = 0
-                num_t1 += 1
-                continue
-            in_t2[block.block_id] = 1
-            num_t2 += 1
-        self.num_t1_members += num_t1
-        self.num_t2_members += num_t2
+        # Hot path: one C-level set intersection finds the (usually no) ghost hits among the
+        # new blocks; the others join T1 (a new block's `_in_t2` is already 0: victims and
+        # forgotten blocks reset it). The ghosts are trimmed once for the run.
+        new_blocks = [
+            block
+            for block in blocks[start:end]
+            if skipped_ids is None or id(block) not in skipped_ids
+        ]
+        keys = [
+            block.block_hash if block.hash_group_id == 0 else ghost_key(block)
+            for block in new_blocks
+        ]
+        b1, b2 = self._b1, self._b2
+        ghost_hits = (b1.keys() & keys) | (b2.keys() & keys) if b1 or b2 else ()
+        if ghost_hits:
+            in_t2 = self._in_t2
+            capacity = float(self.capacity)
+            for block, key in zip(new_blocks, keys, strict=True):
+                if key not in ghost_hits:
+                    continue
+                if key in b1:
+                    step = max(1.0, len(b2) / len(b1))
+                    self.target_t1_blocks = min(capacity, self.target_t1_blocks + step)
+                    del b1[key]
+                elif key in b2:
+                    step = max(1.0, len(b1) / len(b2))
+                    self.target_t1_blocks = max(0.0, self.target_t1_blocks - step)
+                    del b2[key]
+                else:
+                    continue  # a duplicate key within the run, already taken
+                in_t2[block.block_id] = 1
+                self.num_t2_members += 1
+                self.num_t1_members -= 1
+        self.num_t1_members += len(new_blocks)
         self._trim_ghosts()
 
     def note_cached(self, block: KVCacheBlock, parent: KVCacheBlock | None, end_token: int) -> None:
@@ -172,17 +179,24 @@ class ARCPolicy(EvictionPolicy):
                 if t2.num_free_blocks:
                     # T1 stays the source while it holds more than the target.
                     num_taken = min(num_taken, math.ceil(num_t1 - self.target_t1_blocks))
-                for block in t1.popleft_n(num_taken):
-                    b1[block.block_hash if block.hash_group_id == 0 else ghost_key(block)] = None
-                    out.append(block)
+                taken = t1.popleft_n(num_taken)
+                b1.update(
+                    (block.block_hash if block.hash_group_id == 0 else ghost_key(block), None)
+                    for block in taken
+                )
+                out += taken
                 self.num_t1_members -= num_taken
             else:
                 # Taking from T2 leaves |T1| alone, so the rule keeps choosing T2.
                 num_taken = min(num_left, t2.num_free_blocks)
-                for block in t2.popleft_n(num_taken):
+                taken = t2.popleft_n(num_taken)
+                for block in taken:
                     in_t2[block.block_id] = 0
-                    b2[block.block_hash if block.hash_group_id == 0 else ghost_key(block)] = None
-                    out.append(block)
+                b2.update(
+                    (block.block_hash if block.hash_group_id == 0 else ghost_key(block), None)
+                    for block in taken
+                )
+                out += taken
                 self.num_t2_members -= num_taken
             num_left -= num_taken
             self._trim_ghosts()

@@ -69,6 +69,7 @@ class CostPolicy(LFUPolicy):
     def note_cached(self, block: KVCacheBlock, parent: KVCacheBlock | None, end_token: int) -> None:
         block_id = block.block_id
         self._access_count[block_id] = 1
+        self._child_key[block_id] = 0
         self._cost[block_id] = 1.0 + end_token / self.attention_crossover_tokens
         self._link(block, parent)
 
@@ -93,7 +94,7 @@ class CostPolicy(LFUPolicy):
         skipped_ids: set[int] | None,
     ) -> None:
         # Hot path: `note_cached` inlined; the parent of each block is the one before it.
-        counts, cost = self._access_count, self._cost
+        counts, cost, child_key = self._access_count, self._cost, self._child_key
         parent_ids, parent_gens, gens = self._parent_id, self._parent_gen, self._gen
         tokens_per_cost = block_size / self.attention_crossover_tokens
         parent = blocks[start - 1] if start else None
@@ -104,6 +105,7 @@ class CostPolicy(LFUPolicy):
                 continue
             block_id = block.block_id
             counts[block_id] = 1
+            child_key[block_id] = 0
             cost[block_id] = 1.0 + (index + 1) * tokens_per_cost
             if (
                 parent is None
@@ -159,11 +161,12 @@ class CostPolicy(LFUPolicy):
         return num_blocks
 
     def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
-        # Hot path: `lfu`'s batched victims, each victim's links dropped in the same loop.
+        # Hot path: `lfu`'s batched victims; a victim only moves its generation on (its
+        # children's links go stale); its own link, floor and count are reset when it is
+        # cached again (`_note_cached_range`).
         if num_victims > self.num_ring_blocks:
             raise InvariantViolation(f"cost: {num_victims} victims wanted from the ring")
-        ring, ring_size, counts = self._ring, self._ring_size, self._access_count
-        parent_ids, gens, child_key = self._parent_id, self._gen, self._child_key
+        ring, ring_size, gens = self._ring, self._ring_size, self._gen
         key = self.age
         num_left = num_victims
         while num_left:
@@ -176,11 +179,7 @@ class CostPolicy(LFUPolicy):
                 num_taken = num_left
             taken = queue.popleft_n(num_taken)
             for block in taken:
-                block_id = block.block_id
-                counts[block_id] = 0
-                gens[block_id] += 1  # its children's links go stale
-                parent_ids[block_id] = -1
-                child_key[block_id] = 0
+                gens[block.block_id] += 1
             out += taken
             num_left -= num_taken
         self.age = key
@@ -210,9 +209,7 @@ class CostPolicy(LFUPolicy):
         for block in self.blocks:
             block_id = block.block_id
             if block.block_hash is None:
-                if self._parent_id[block_id] >= 0 or self._child_key[block_id]:
-                    raise InvariantViolation(f"cost: uncached block {block_id} keeps a link")
-                continue
+                continue  # stale state is reset when the block is cached again
             parent_id = self._parent_id[block_id]
             if parent_id < 0 or self._parent_gen[block_id] != self._gen[parent_id]:
                 continue

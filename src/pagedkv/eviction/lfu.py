@@ -141,10 +141,11 @@ class LFUPolicy(EvictionPolicy):
         self.num_free_blocks -= num_ring + num_unhashed
 
     def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
-        # Hot path: the lowest buckets are taken whole (the key only moves up meanwhile).
+        # Hot path: the lowest buckets are taken whole (the key only moves up meanwhile); a
+        # victim's count is left as is: `note_cached` sets it when the block is cached again.
         if num_victims > self.num_ring_blocks:
             raise InvariantViolation(f"{self.name}: {num_victims} victims wanted from the ring")
-        ring, ring_size, counts = self._ring, self._ring_size, self._access_count
+        ring, ring_size = self._ring, self._ring_size
         key = self.age
         num_left = num_victims
         while num_left:
@@ -155,10 +156,7 @@ class LFUPolicy(EvictionPolicy):
                 continue
             if num_taken > num_left:
                 num_taken = num_left
-            taken = queue.popleft_n(num_taken)
-            for block in taken:
-                counts[block.block_id] = 0
-            out += taken
+            out += queue.popleft_n(num_taken)
             num_left -= num_taken
         self.age = key
         self.num_ring_blocks -= num_victims
