@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedkv.block import to_external_hash
 from pagedkv.errors import ConfigError, InvariantViolation
-from pagedkv.router import POLICY_NAMES, Router, make_policy, request_block_hashes
+from pagedkv.router import (
+    POLICY_NAMES,
+    IndexUnavailableError,
+    InMemoryPrefixIndex,
+    Router,
+    external_events,
+    make_policy,
+    request_block_hashes,
+)
 from pagedkv.sim.serve import (
     ServeConfig,
     ServeRun,
@@ -30,6 +38,7 @@ from pagedkv.sim.traces import Trace
 ProgressCallback = Callable[[int], None]
 EVENT_TRANSPORTS = ("inproc", "tcp")
 _BARRIER_TIMEOUT_S = 30.0
+_AUDIT_CONTENTS_EVERY = 25  # decisions between two whole-index comparisons
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,16 @@ class ClusterConfig:
     """prefix-aware only: candidates are within this many unfinished requests of the least
     loaded instance (None: pure prefix scoring, which piles a shared system prompt's whole
     workload onto one instance)."""
+    index_url: str | None = None
+    """None: the router's index in memory; `redis://HOST:PORT[/DB]`: in that Redis (extra
+    `[router]`), one fresh namespace per run, resynchronised from the instances' snapshots
+    after an outage."""
+    index_retry_interval_s: float = 0.5
+    """How often a router whose index is down tries it again (wall-clock seconds)."""
+    audit_index: bool = False
+    """Check every routing decision made on the index against an index fed directly by the
+    publishers (the truth as of the batches published): counts phantom hits (a score above
+    the truth) and inexact decisions. Costs one more index; for tests."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_instances, int) or self.num_instances < 1:
@@ -51,6 +70,13 @@ class ClusterConfig:
         if self.event_transport not in EVENT_TRANSPORTS:
             raise ConfigError(
                 f"event_transport must be one of {EVENT_TRANSPORTS}, got {self.event_transport!r}"
+            )
+        if self.index_url is not None and not self.index_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ConfigError(
+                f"index_url must be redis://HOST:PORT[/DB] (or rediss://, unix://), got "
+                f"{self.index_url!r}"
             )
 
 
@@ -103,7 +129,11 @@ class _ClusterRun:
         self.router = Router(
             [inst.instance_id for inst in self.instances],
             make_policy(policy, config.max_load_gap),
+            index=self._make_index(config.index_url, tag),
+            snapshot_source=self._snapshot,
+            retry_interval_s=config.index_retry_interval_s,
         )
+        self.audit = _Audit() if config.audit_index else None
         self.trace = trace
         self.serve = serve
         self.arrivals = [r.arrival_time_s * serve.time_scale for r in trace.requests]
@@ -115,9 +145,20 @@ class _ClusterRun:
         self.collectors: dict[str, Any] = {}
         if metrics is not None:
             self._attach_collectors(config.residency_sample_rate)
+        self.index_url = config.index_url
         self.num_rejected = 0
         self.matched_blocks: list[int] = []
         self.hash_block_size = serve.block_size
+
+    def _make_index(self, url: str | None, tag: str) -> Any:
+        if url is None:
+            return None
+        from pagedkv.router.redis_index import RedisPrefixIndex
+
+        return RedisPrefixIndex(url, namespace=f"pagedkv-sim-{tag}")
+
+    def _snapshot(self, instance_id: str) -> Any:
+        return self.instances[int(instance_id)].subscriber.sync_batch()
 
     def _attach_collectors(self, sample_rate: float) -> None:
         from pagedkv.metrics.residency import KVCacheMetricsCollector
@@ -154,6 +195,7 @@ class _ClusterRun:
                     progress(self.num_done)
             self._publish_visible(float("inf"))
             self._barrier()
+            self.router.maybe_recover(force=True)  # the summary reads the index
         finally:
             for inst in self.instances:
                 inst.close()
@@ -171,7 +213,12 @@ class _ClusterRun:
         self._barrier()  # the router sees every event published so far, no more
         loads = {inst.instance_id: inst.run.scheduler.get_num_unfinished_requests()
                  for inst in self.instances}  # fmt: skip
-        decision = self.router.route(request_block_hashes(request), loads)
+        block_hashes = request_block_hashes(request)
+        decision = self.router.route(block_hashes, loads)
+        if self.audit is not None and decision.match_lengths is not None:
+            self.audit.check(block_hashes, decision.match_lengths)
+            if self.audit.num_decisions % _AUDIT_CONTENTS_EVERY == 0:
+                self.audit.check_contents(self.router.index, self.instances)
         self.matched_blocks.append(decision.matched_blocks)
         inst = self.instances[int(decision.instance_id)]
         if not inst.busy:
@@ -200,12 +247,15 @@ class _ClusterRun:
             while count < len(pending) and pending[count][0] <= now_s:
                 visible_s, events = pending[count]
                 inst.publisher.publish(EventBatch(visible_s, events))
+                if self.audit is not None:
+                    self.audit.truth.apply_events(inst.instance_id, external_events(events))
                 count += 1
             del pending[:count]
 
     def _barrier(self) -> None:
         """Apply, through the subscribers, every batch published so far."""
         deadline = time.monotonic() + _BARRIER_TIMEOUT_S
+        router = self.router
         for inst in self.instances:
             last_published = inst.publisher.next_seq - 1
             subscriber = inst.subscriber
@@ -217,8 +267,14 @@ class _ClusterRun:
                         f"instance {inst.instance_id}: events up to {last_published} were "
                         f"published but the router got {subscriber.last_seq}"
                     )
+                num_lost = subscriber.num_lost
                 for item in subscriber.poll(0.01):
-                    self.router.apply_events(inst.instance_id, item.batch.events)
+                    # Sequence-aware: a batch that a snapshot applied meanwhile (a recovery
+                    # inside this loop) already contains is skipped, never applied twice.
+                    router.apply_batch(inst.instance_id, item.seq, item.batch)
+                if subscriber.num_lost != num_lost:
+                    router.mark_lost(inst.instance_id)
+        router.maybe_recover()
 
     def _observe(self, inst: _Instance) -> None:
         run = inst.run
@@ -247,8 +303,17 @@ class _ClusterRun:
 
     # ------------------------------------------------------------------ the report
 
-    def index_matches_pools(self) -> bool:
-        """Whether the router's index equals every instance's real cache contents."""
+    def index_matches_pools(self) -> bool | None:
+        """Whether the router's index equals every instance's real cache contents (None: the
+        index cannot be read)."""
+        if self.router.degraded:
+            return None
+        try:
+            return self._index_equals_pools()
+        except IndexUnavailableError:
+            return None
+
+    def _index_equals_pools(self) -> bool:
         for inst in self.instances:
             pool = inst.run.manager.block_pool
             actual: dict = {}
@@ -312,16 +377,75 @@ class _ClusterRun:
                 "output_tokens_per_s": round_sig6(rate_per_s(output_tokens, makespan_s)),
             },
             "load_balance": _load_balance(per_instance),
-            "routing": {
-                "mean_matched_blocks": round_sig6(
-                    sum(self.matched_blocks) / len(self.matched_blocks)
-                    if self.matched_blocks
-                    else 0.0
-                ),
-                "fallback_decisions": self.router.num_fallback_decisions,
-                "index_matches_pools": index_ok,
-            },
+            "routing": self._routing_summary(index_ok),
             "instances": per_instance,
+        }
+
+    def _routing_summary(self, index_ok: bool | None) -> dict[str, Any]:
+        router = self.router
+        matched = self.matched_blocks
+        out: dict[str, Any] = {
+            "mean_matched_blocks": round_sig6(sum(matched) / len(matched) if matched else 0.0),
+            "fallback_decisions": router.num_fallback_decisions,
+            "index_matches_pools": index_ok,
+            "index": "memory" if self.index_url is None else "redis",
+            "index_available": not router.degraded,
+            "index_exact": router.exact,
+            "index_outages": router.num_outages,
+            "index_recoveries": router.num_recoveries,
+            "dropped_event_batches": router.num_dropped_event_batches,
+        }
+        if self.audit is not None:
+            out["audit"] = self.audit.summary()
+        return out
+
+    def close(self) -> None:
+        """Drop this run's Redis namespace, if the server is reachable."""
+        drop = getattr(self.router.index, "drop_namespace", None)
+        if drop is not None:
+            try:
+                drop()
+            except IndexUnavailableError:
+                pass
+
+
+class _Audit:
+    """The truth as of the batches published (an index fed by the publishers, not the wire)
+    and the count of routing decisions whose scores disagreed with it."""
+
+    def __init__(self) -> None:
+        self.truth = InMemoryPrefixIndex()
+        self.num_decisions = 0
+        self.num_phantom = 0
+        self.num_inexact = 0
+        self.num_contents_checks = 0
+        self.num_contents_mismatches = 0
+
+    def check(self, block_hashes: Sequence[Any], lengths: Mapping[str, int]) -> None:
+        true = self.truth.match_lengths(block_hashes, lengths)
+        self.num_decisions += 1
+        self.num_phantom += any(lengths[i] > true[i] for i in lengths)
+        self.num_inexact += lengths != true
+
+    def check_contents(self, index: Any, instances: Sequence[_Instance]) -> None:
+        """Compare the whole index with the truth (skipped while the index is unreadable)."""
+        try:
+            contents = {i.instance_id: index.instance_contents(i.instance_id) for i in instances}
+        except IndexUnavailableError:
+            return
+        self.num_contents_checks += 1
+        truth = self.truth
+        self.num_contents_mismatches += any(
+            contents[i] != truth.instance_contents(i) for i in contents
+        )
+
+    def summary(self) -> dict[str, int]:
+        return {
+            "decisions_on_index": self.num_decisions,
+            "phantom_hit_decisions": self.num_phantom,
+            "inexact_decisions": self.num_inexact,
+            "contents_checks": self.num_contents_checks,
+            "contents_mismatches": self.num_contents_mismatches,
         }
 
 
@@ -362,6 +486,9 @@ def simulate_cluster(
     for policy in policies:
         prefix = f"{policy}/" if len(policies) > 1 else ""
         run = _ClusterRun(trace, config, policy, metrics, prefix)
-        run.run(progress)
-        summaries.append(run.summary(policy))
+        try:
+            run.run(progress)
+            summaries.append(run.summary(policy))
+        finally:
+            run.close()
     return summaries

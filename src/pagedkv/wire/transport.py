@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.errors import InvalidArgumentError, MissingDependencyError
-from pagedkv.events import KVCacheEvent
+from pagedkv.events import AllBlocksCleared, KVCacheEvent
 from pagedkv.wire.codec import EventBatch, EventDecoder, EventEncoder, WireFormatError
 from pagedkv.wire.snapshot import CacheMirror
 
@@ -309,7 +309,18 @@ class ZmqEventSubscriber:
     the position past every batch it covers. Malformed frames and payloads are counted in
     `num_malformed` and skipped; a malformed payload still consumes its sequence number.
     Without a replay endpoint, or when the publisher does not answer, the missing batches
-    are counted in `num_missed` and skipped.
+    are counted in `num_missed` and skipped. `num_lost` counts every batch lost for good
+    (missed, or a payload that did not decode): a consumer whose state must be exact compares
+    it across `poll` calls (the router's `mark_lost`).
+
+    Publisher restarts: a live sequence number below the last one received (or at it, across
+    a reconnection) means a new publisher, which starts again at 0 with an empty cache (as a
+    vLLM engine does). `poll` then yields a synthetic snapshot `[AllBlocksCleared]` with
+    `snapshot_next_seq = 0` and reads the new stream from 0 (`num_restarts`). Over tcp and ipc
+    the subscriber also watches its connection (`connected`); after a disconnection it asks for
+    a snapshot before applying the next batch, and without one (a vLLM publisher) a gap right
+    after the reconnection, which could be a restarted publisher's stream, is counted lost
+    rather than replayed.
     """
 
     def __init__(
@@ -343,11 +354,35 @@ class ZmqEventSubscriber:
         self.num_replayed = 0
         self.num_snapshots = 0
         self.num_missed = 0
+        self.num_lost = 0
+        self.num_restarts = 0
+        self.num_disconnects = 0
+        self._last_live_seq: int | None = None
+        self._suspect_restart = False
+        self._monitor: Any = None
+        self.connected: bool | None = None
+        """Over tcp/ipc: whether the SUB socket is connected (None until known, or inproc)."""
+        if endpoint.startswith(("tcp://", "ipc://")):
+            self._monitor = self._sub.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+            )
+            self.connected = False
 
     def poll(self, timeout_s: float = 0.0, max_batches: int = 10_000) -> list[ReceivedBatch]:
         """Wait up to `timeout_s` for data, then return every batch ready to apply."""
         out: list[ReceivedBatch] = []
-        if not self._sub.poll(int(timeout_s * 1000)):
+        if self._monitor is not None:
+            self._watch_connection(0)
+            if not self._sub.poll(0):
+                poller = zmq.Poller()
+                poller.register(self._sub, zmq.POLLIN)
+                poller.register(self._monitor, zmq.POLLIN)
+                ready = dict(poller.poll(int(timeout_s * 1000)))
+                if self._monitor in ready:
+                    self._watch_connection(0)
+                if self._sub not in ready and not self._sub.poll(0):
+                    return out
+        elif not self._sub.poll(int(timeout_s * 1000)):
             return out
         while len(out) < max_batches:
             try:
@@ -365,11 +400,21 @@ class ZmqEventSubscriber:
         return snapshot
 
     def sync_events(self) -> list[KVCacheEvent] | None:
-        """`sync()`, returning the snapshot's events (a router's `snapshot_source`)."""
+        """`sync()`, returning the snapshot's events."""
         snapshot = self.sync()
         return None if snapshot is None else snapshot.batch.events
 
+    def sync_batch(self) -> EventBatch | None:
+        """`sync()`, returning the snapshot batch (a router's `snapshot_source`: its
+        `snapshot_next_seq` tells the router which stream batches it already contains)."""
+        snapshot = self.sync()
+        return None if snapshot is None else snapshot.batch
+
     def close(self) -> None:
+        if self._monitor is not None:
+            self._sub.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         self._sub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
@@ -383,11 +428,32 @@ class ZmqEventSubscriber:
 
     # ------------------------------------------------------------------ internals
 
+    def _watch_connection(self, timeout_ms: int) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(timeout_ms):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+                self.num_disconnects += 1
+                self._suspect_restart = True
+            timeout_ms = 0
+
     def _handle(self, frames: list[bytes], out: list[ReceivedBatch]) -> None:
         if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
             self.num_malformed += 1
             return
         seq = int.from_bytes(frames[1], "big")
+        last_live = self._last_live_seq
+        self._last_live_seq = seq
+        if last_live is not None and seq < last_live:
+            self._restart(out)  # a live stream never goes back: a new publisher
+        elif self._suspect_restart:
+            self._suspect_restart = False
+            if not self._resync_after_reconnect(seq, out):
+                return
         if self.last_seq is not None and seq <= self.last_seq:
             self.num_duplicates += 1
             return
@@ -400,8 +466,43 @@ class ZmqEventSubscriber:
         self.last_seq = seq
         self.num_received += 1
         batch = self._decode(frames[2])
-        if batch is not None:
+        if batch is None:
+            self.num_lost += 1
+        else:
             out.append(ReceivedBatch(seq, batch))
+
+    def _restart(self, out: list[ReceivedBatch]) -> None:
+        logger.warning("KV event publisher %s restarted: its stream starts again", self.endpoint)
+        self.num_restarts += 1
+        self.last_seq = None
+        self._suspect_restart = False
+        empty = EventBatch(time.time(), [AllBlocksCleared()], snapshot_next_seq=0)
+        out.append(ReceivedBatch(0, empty))
+
+    def _resync_after_reconnect(self, seq: int, out: list[ReceivedBatch]) -> bool:
+        """After a disconnection: the next batch may be a restarted publisher's. A snapshot
+        settles it; without one, continue only if nothing is missing. False: drop `seq`."""
+        snapshot = self._request_snapshot()
+        if snapshot is not None:
+            out.append(snapshot)
+            self.last_seq = snapshot.seq - 1
+            return True
+        if self.last_seq is not None and seq <= self.last_seq:
+            self._restart(out)  # the stream went back across a reconnection
+            return True
+        expected = 0 if self.last_seq is None else self.last_seq + 1
+        if seq > expected:
+            logger.warning(
+                "KV events %d..%d unaccounted for after a reconnection to %s, and no snapshot: "
+                "counted lost",
+                expected,
+                seq - 1,
+                self.endpoint,
+            )
+            self.num_missed += seq - expected
+            self.num_lost += seq - expected
+            self.last_seq = seq - 1
+        return True
 
     def _decode(self, payload: bytes) -> EventBatch | None:
         try:
@@ -425,7 +526,9 @@ class ZmqEventSubscriber:
                 self.last_seq = seq
                 self.num_replayed += 1
                 batch = self._decode(payload)
-                if batch is not None:
+                if batch is None:
+                    self.num_lost += 1
+                else:
                     out.append(ReceivedBatch(seq, batch, replayed=True))
                 next_needed += 1
             if next_needed == upto:
@@ -438,6 +541,7 @@ class ZmqEventSubscriber:
             expected = next_needed
         logger.warning("KV events %d..%d are lost (no replay or snapshot)", expected, upto - 1)
         self.num_missed += upto - expected
+        self.num_lost += upto - expected
         self.last_seq = upto - 1
 
     def _replay_socket(self) -> Any:
