@@ -41,8 +41,15 @@ def recorded_stream() -> tuple[list[list], int]:
             if type(event) is BlockStored:
                 hashes = [to_external_hash(h) for h in event.block_hashes]
                 converted.append(
-                    BlockStored(hashes, None, [], event.block_size, None, event.medium,
-                                group_idx=event.group_idx)  # fmt: skip
+                    BlockStored(
+                        hashes,
+                        None,
+                        [],
+                        event.block_size,
+                        None,
+                        event.medium,
+                        group_idx=event.group_idx,
+                    )
                 )
                 num_updates += len(hashes)
             elif type(event) is BlockRemoved:
@@ -85,8 +92,10 @@ def measure_score(make_index, repeats: int, num_calls: int = 2000) -> dict:
         for _ in range(num_calls):
             index.match_lengths(hashes, instances)
         runs.append((time.process_time() - start) / num_calls * 1e6)
-    return {"score_us_median": round(statistics.median(runs), 1), "score_us_runs":
-            [round(r, 1) for r in runs]}  # fmt: skip
+    return {
+        "score_us_median": round(statistics.median(runs), 1),
+        "score_us_runs": [round(r, 1) for r in runs],
+    }
 
 
 def main() -> int:

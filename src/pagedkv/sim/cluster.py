@@ -38,7 +38,7 @@ from pagedkv.sim.traces import Trace
 ProgressCallback = Callable[[int], None]
 EVENT_TRANSPORTS = ("inproc", "tcp")
 _BARRIER_TIMEOUT_S = 30.0
-_AUDIT_CONTENTS_EVERY = 25  # decisions between two whole-index comparisons
+_AUDIT_CONTENTS_EVERY = 25  # decisions between two whole-index comparisons (and after a recovery)
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,9 @@ class _ClusterRun:
         decision = self.router.route(block_hashes, loads)
         if self.audit is not None and decision.match_lengths is not None:
             self.audit.check(block_hashes, decision.match_lengths)
-            if self.audit.num_decisions % _AUDIT_CONTENTS_EVERY == 0:
+            recovered = self.router.num_recoveries != self.audit.seen_recoveries
+            if recovered or self.audit.num_decisions % _AUDIT_CONTENTS_EVERY == 0:
+                self.audit.seen_recoveries = self.router.num_recoveries
                 self.audit.check_contents(self.router.index, self.instances)
         self.matched_blocks.append(decision.matched_blocks)
         inst = self.instances[int(decision.instance_id)]
@@ -420,6 +422,7 @@ class _Audit:
         self.num_inexact = 0
         self.num_contents_checks = 0
         self.num_contents_mismatches = 0
+        self.seen_recoveries = 0
 
     def check(self, block_hashes: Sequence[Any], lengths: Mapping[str, int]) -> None:
         true = self.truth.match_lengths(block_hashes, lengths)
