@@ -212,9 +212,10 @@ def render_text(report: dict[str, Any], wall_s: float) -> str:
     lines += [
         "",
         "hit rate: prefix-cache token hit rate over all instances; busy: simulated step time",
-        f"router index ({config.get('index', 'memory')}) equals every instance's cache at the "
-        f"end: {consistent}",
+        f"router index equals every instance's cache at the end: {consistent}",
     ]
+    if config.get("index", "memory") != "memory":
+        lines.append(f"router index in {config['index']}")
     for result in report["results"]:
         routing = result["routing"]
         if routing.get("index_outages") or routing["fallback_decisions"]:

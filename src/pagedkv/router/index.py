@@ -8,7 +8,7 @@ request's block hashes, from the first, that the instance caches.
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagedkv.errors import InvalidArgumentError, InvariantViolation, PagedKVError
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -132,7 +132,8 @@ class InMemoryPrefixIndex:
         counts_get = counts.get
         several_tables = False
         unknown = 0
-        for event in events:
+        stream: Iterable[Any] = events  # narrowed by `type(...) is`, which mypy cannot follow
+        for event in stream:
             kind = type(event)
             if kind is BlockRemoved:
                 if event.medium != medium or event.group_idx != group:

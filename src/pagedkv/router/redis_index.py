@@ -201,7 +201,7 @@ class RedisPrefixIndex:
             if epoch is None:
                 self.claim()
             else:
-                self._epoch = epoch
+                self._epoch = str(epoch)
         assert self._epoch is not None
         return self._epoch
 
@@ -210,7 +210,8 @@ class RedisPrefixIndex:
         scripts: list[list[str]] = []
         ops: list[str] = []
         num_tokens = 0
-        for event in events:
+        stream: Iterable[Any] = events  # narrowed by `type(...) is`, which mypy cannot follow
+        for event in stream:
             kind = type(event)
             if kind is BlockStored or kind is BlockRemoved:
                 tokens = [_hash_token(h) for h in event.block_hashes]

@@ -8,8 +8,9 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
-from pagedkv.block import to_external_hash
+from pagedkv.block import BlockHash, to_external_hash
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pagedkv.hashing import resolve_block_hashes
@@ -37,7 +38,7 @@ def request_block_hashes(
 ) -> list[Hashable]:
     """The request's block hashes as the instances' events carry them: at `block_size` (the
     group's, default the request's hash block size) and in the wire's hash format."""
-    hashes = request.block_hashes
+    hashes: Sequence[BlockHash] = request.block_hashes
     hasher = request.block_hasher
     if block_size is not None and hasher is not None:
         hashes = resolve_block_hashes(hashes, hasher.hash_block_size, block_size)
@@ -48,7 +49,8 @@ def request_block_hashes(
 def external_events(events: Iterable[KVCacheEvent]) -> list[KVCacheEvent]:
     """In-process events (digest hashes) in the int64 form of the wire; others unchanged."""
     out: list[KVCacheEvent] = []
-    for event in events:
+    stream: Iterable[Any] = events  # narrowed by `type(...) is`, which mypy cannot follow
+    for event in stream:
         kind = type(event)
         if kind is BlockStored or kind is BlockRemoved:
             hashes = event.block_hashes
@@ -240,10 +242,11 @@ class Router:
         block_hashes: Sequence[Hashable],
         loads: Mapping[str, float],
         candidates: Sequence[str] | None = None,
+        policy: RoutingPolicy | None = None,
     ) -> RoutingDecision:
-        """Pick an instance (among `candidates`, default all) for a request with these
-        (external) block hashes."""
-        policy = self.policy
+        """Pick an instance (among `candidates`, default all; with `policy`, default the
+        router's) for a request with these (external) block hashes."""
+        policy = policy or self.policy
         ids = self.instance_ids if candidates is None else candidates
         if not ids:
             raise InvalidArgumentError("no candidate instance to route to")
@@ -270,7 +273,7 @@ class Router:
         if not self._usable():
             raise IndexUnavailableError("the prefix index is unavailable")
         if self._use_int and block_hashes and type(block_hashes[0]) is bytes:
-            block_hashes = [to_external_hash(h) for h in block_hashes]
+            block_hashes = [to_external_hash(cast(bytes, h)) for h in block_hashes]
         try:
             return self.index.match_lengths(block_hashes, ids)
         except IndexUnavailableError as exc:

@@ -317,10 +317,10 @@ class ZmqEventSubscriber:
     a reconnection) means a new publisher, which starts again at 0 with an empty cache (as a
     vLLM engine does). `poll` then yields a synthetic snapshot `[AllBlocksCleared]` with
     `snapshot_next_seq = 0` and reads the new stream from 0 (`num_restarts`). Over tcp and ipc
-    the subscriber also watches its connection (`connected`); after a disconnection it asks for
-    a snapshot before applying the next batch, and without one (a vLLM publisher) a gap right
-    after the reconnection, which could be a restarted publisher's stream, is counted lost
-    rather than replayed.
+    the subscriber also watches its connection (`connected`): on reconnecting it asks for a
+    snapshot, and without one (a vLLM publisher) asks the replay buffer for its last batch: the
+    same publisher still has it (same seq and timestamp), a restarted one does not, and its
+    stream is then read again from 0 after the synthetic snapshot.
     """
 
     def __init__(
@@ -341,10 +341,6 @@ class ZmqEventSubscriber:
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        if "*" in endpoint or "::" in endpoint:
-            self._sub.bind(endpoint)  # the publisher connects (its endpoint names a host)
-        else:
-            self._sub.connect(endpoint)
         self._replay: Any = None
         self.last_seq: int | None = None
         self.num_received = 0
@@ -358,28 +354,34 @@ class ZmqEventSubscriber:
         self.num_restarts = 0
         self.num_disconnects = 0
         self._last_live_seq: int | None = None
+        self._last_ts: float | None = None  # of batch `last_seq`: tells incarnations apart
         self._suspect_restart = False
         self._monitor: Any = None
         self.connected: bool | None = None
         """Over tcp/ipc: whether the SUB socket is connected (None until known, or inproc)."""
         if endpoint.startswith(("tcp://", "ipc://")):
             self._monitor = self._sub.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
             )
             self.connected = False
+        # Connect after the monitor is attached, or a quick connection goes unseen.
+        if "*" in endpoint or "::" in endpoint:
+            self._sub.bind(endpoint)  # the publisher connects (its endpoint names a host)
+        else:
+            self._sub.connect(endpoint)
 
     def poll(self, timeout_s: float = 0.0, max_batches: int = 10_000) -> list[ReceivedBatch]:
         """Wait up to `timeout_s` for data, then return every batch ready to apply."""
         out: list[ReceivedBatch] = []
         if self._monitor is not None:
-            self._watch_connection(0)
+            self._watch_connection(out)
             if not self._sub.poll(0):
                 poller = zmq.Poller()
                 poller.register(self._sub, zmq.POLLIN)
                 poller.register(self._monitor, zmq.POLLIN)
                 ready = dict(poller.poll(int(timeout_s * 1000)))
                 if self._monitor in ready:
-                    self._watch_connection(0)
+                    self._watch_connection(out)
                 if self._sub not in ready and not self._sub.poll(0):
                     return out
         elif not self._sub.poll(int(timeout_s * 1000)):
@@ -392,11 +394,18 @@ class ZmqEventSubscriber:
             self._handle(frames, out)
         return out
 
+    @property
+    def poll_sockets(self) -> list[Any]:
+        """The sockets to wait on (with a `zmq.Poller`) before calling `poll` on several
+        subscribers at once."""
+        return [self._sub] if self._monitor is None else [self._sub, self._monitor]
+
     def sync(self) -> ReceivedBatch | None:
         """Resynchronise from a snapshot now (a late joiner); None if none is available."""
         snapshot = self._request_snapshot()
         if snapshot is not None:
             self.last_seq = snapshot.seq - 1
+            self._last_ts = None
         return snapshot
 
     def sync_events(self) -> list[KVCacheEvent] | None:
@@ -428,18 +437,19 @@ class ZmqEventSubscriber:
 
     # ------------------------------------------------------------------ internals
 
-    def _watch_connection(self, timeout_ms: int) -> None:
+    def _watch_connection(self, out: list[ReceivedBatch]) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
-        while self._monitor.poll(timeout_ms):
+        while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
-            if event == zmq.EVENT_CONNECTED:
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
                 self.connected = True
+                if self._suspect_restart:
+                    self._resolve_reconnect(out)
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self.num_disconnects += 1
                 self._suspect_restart = True
-            timeout_ms = 0
 
     def _handle(self, frames: list[bytes], out: list[ReceivedBatch]) -> None:
         if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
@@ -451,9 +461,7 @@ class ZmqEventSubscriber:
         if last_live is not None and seq < last_live:
             self._restart(out)  # a live stream never goes back: a new publisher
         elif self._suspect_restart:
-            self._suspect_restart = False
-            if not self._resync_after_reconnect(seq, out):
-                return
+            self._resolve_reconnect(out)
         if self.last_seq is not None and seq <= self.last_seq:
             self.num_duplicates += 1
             return
@@ -468,41 +476,72 @@ class ZmqEventSubscriber:
         batch = self._decode(frames[2])
         if batch is None:
             self.num_lost += 1
+            self._last_ts = None
         else:
+            self._last_ts = batch.ts
             out.append(ReceivedBatch(seq, batch))
 
     def _restart(self, out: list[ReceivedBatch]) -> None:
         logger.warning("KV event publisher %s restarted: its stream starts again", self.endpoint)
         self.num_restarts += 1
         self.last_seq = None
+        self._last_ts = None
         self._suspect_restart = False
         empty = EventBatch(time.time(), [AllBlocksCleared()], snapshot_next_seq=0)
         out.append(ReceivedBatch(0, empty))
 
-    def _resync_after_reconnect(self, seq: int, out: list[ReceivedBatch]) -> bool:
-        """After a disconnection: the next batch may be a restarted publisher's. A snapshot
-        settles it; without one, continue only if nothing is missing. False: drop `seq`."""
+    def _resolve_reconnect(self, out: list[ReceivedBatch]) -> None:
+        """After a disconnection the publisher may be a new one (restarted, empty), whose
+        batches published before we reconnected are gone from PUB. A snapshot settles it;
+        else the replay buffer does: the same publisher still holds our last batch (same seq,
+        same timestamp); a new one does not, so its stream is read again from 0."""
+        self._suspect_restart = False
+        self._last_live_seq = None
         snapshot = self._request_snapshot()
         if snapshot is not None:
             out.append(snapshot)
             self.last_seq = snapshot.seq - 1
-            return True
-        if self.last_seq is not None and seq <= self.last_seq:
-            self._restart(out)  # the stream went back across a reconnection
-            return True
-        expected = 0 if self.last_seq is None else self.last_seq + 1
-        if seq > expected:
-            logger.warning(
-                "KV events %d..%d unaccounted for after a reconnection to %s, and no snapshot: "
-                "counted lost",
-                expected,
-                seq - 1,
-                self.endpoint,
-            )
-            self.num_missed += seq - expected
-            self.num_lost += seq - expected
-            self.last_seq = seq - 1
-        return True
+            self._last_ts = None
+            return
+        if self.last_seq is None:
+            return  # nothing applied yet: the live stream and replay from 0 tell all
+        answers = self._request_replay(self.last_seq)
+        if answers is None:
+            logger.warning("cannot tell whether %s restarted: counted as a loss", self.endpoint)
+            self.num_lost += 1
+            return
+        ours = [payload for seq, payload in answers if seq == self.last_seq]
+        last = self._decode(ours[0]) if ours else None
+        if last is not None and self._last_ts is not None and last.ts == self._last_ts:
+            self._append_replayed(answers, self.last_seq + 1, None, out)  # same publisher
+            return
+        self._restart(out)
+        self._append_replayed(self._request_replay(0) or [], 0, None, out)
+
+    def _append_replayed(
+        self,
+        answers: list[tuple[int, bytes]],
+        next_needed: int,
+        upto: int | None,
+        out: list[ReceivedBatch],
+    ) -> int:
+        """Append the consecutive replayed batches from `next_needed` (below `upto`); returns
+        the first sequence number not appended."""
+        for seq, payload in answers:
+            if seq < next_needed:
+                continue
+            if seq != next_needed or (upto is not None and seq >= upto):
+                break
+            self.last_seq = seq
+            self.num_replayed += 1
+            batch = self._decode(payload)
+            if batch is None:
+                self.num_lost += 1
+            else:
+                self._last_ts = batch.ts
+                out.append(ReceivedBatch(seq, batch, replayed=True))
+            next_needed += 1
+        return next_needed
 
     def _decode(self, payload: bytes) -> EventBatch | None:
         try:
@@ -516,33 +555,22 @@ class ZmqEventSubscriber:
         """Fill [expected, upto) by replay, else from a snapshot, else count them missed."""
         self.num_gaps += 1
         if self.replay_endpoint is not None:
-            replayed = self._request_replay(expected)
-            next_needed = expected
-            for seq, payload in replayed or ():
-                if seq < next_needed:
-                    continue
-                if seq != next_needed or seq >= upto:
-                    break
-                self.last_seq = seq
-                self.num_replayed += 1
-                batch = self._decode(payload)
-                if batch is None:
-                    self.num_lost += 1
-                else:
-                    out.append(ReceivedBatch(seq, batch, replayed=True))
-                next_needed += 1
+            replayed = self._request_replay(expected) or []
+            next_needed = self._append_replayed(replayed, expected, upto, out)
             if next_needed == upto:
                 return
             snapshot = self._request_snapshot()
             if snapshot is not None and snapshot.seq >= upto:
                 out.append(snapshot)
                 self.last_seq = snapshot.seq - 1
+                self._last_ts = None
                 return
             expected = next_needed
         logger.warning("KV events %d..%d are lost (no replay or snapshot)", expected, upto - 1)
         self.num_missed += upto - expected
         self.num_lost += upto - expected
         self.last_seq = upto - 1
+        self._last_ts = None
 
     def _replay_socket(self) -> Any:
         if self._replay is None:
