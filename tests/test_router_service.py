@@ -309,3 +309,44 @@ def test_bad_requests_and_bad_configuration_are_clear(tmp_path, publishers):
         capture_output=True, text=True, env=child_env(), timeout=60,
     )  # fmt: skip
     assert bad.returncode == 2 and "ID=ENDPOINT" in bad.stderr
+
+
+def test_simulate_through_the_service_equals_the_in_process_router(tmp_path, capsys):
+    """`simulate --router-url`: the simulated instances publish where the service listens and
+    every decision waits for the batches published so far, so each policy's run equals the
+    in-process router's (three runs: the service also sees the publishers restart)."""
+    from pagedkv.cli import main
+
+    pagedkv_instances = [Publisher("a", "pagedkv"), Publisher("b", "pagedkv")]  # ports only
+    lines = ["port = 0", "retry_interval_s = 0.2"]
+    for publisher in pagedkv_instances:
+        lines.append("[[instances]]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in publisher.table.items()]
+    (tmp_path / "sim.toml").write_text("\n".join(lines) + "\n")
+    service = subprocess.Popen(
+        [sys.executable, "-m", "pagedkv", "router", "serve", "--config",
+         str(tmp_path / "sim.toml")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+    )  # fmt: skip
+    try:
+        service.stdout.readline()
+        url = service.stdout.readline().split()[-1]
+        argv = ["simulate", "--workload", "chat", "--num-requests", "24", "--rate", "4",
+                "--capacity", "300", "--instances", "2", "--router", "all", "--json"]  # fmt: skip
+        assert main([*argv, "--router-url", url]) == 0
+        remote = json.loads(capsys.readouterr().out)
+        assert main(argv) == 0
+        local = json.loads(capsys.readouterr().out)
+    finally:
+        service.send_signal(signal.SIGTERM)
+        service.wait(timeout=10)
+    assert service.returncode == 0
+    assert [r["router"] for r in remote["results"]] == ["round-robin", "least-loaded",
+                                                       "prefix-aware"]  # fmt: skip
+    for theirs, ours in zip(remote["results"], local["results"], strict=True):
+        assert theirs["routing"]["index"] == "service" and theirs["routing"]["router_url"] == url
+        assert theirs["routing"]["fallback_decisions"] == 0
+        for key in ("prefix_cache", "load_balance", "ttft_s", "num_requests_completed"):
+            assert theirs[key] == ours[key], key
+        assert theirs["routing"]["mean_matched_blocks"] == ours["routing"]["mean_matched_blocks"]
+    assert remote["results"][2]["routing"]["mean_matched_blocks"] > 0

@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "[router] extra and a reachable server)",
     )
     group.add_argument(
+        "--router-url",
+        metavar="http://HOST:PORT",
+        help="route through this running `pagedkv router serve` (its instances' endpoints "
+        "are where the simulated instances publish; docs/router.md)",
+    )
+    group.add_argument(
         "--event-transport",
         choices=("inproc", "tcp"),
         default="inproc",
@@ -78,7 +84,12 @@ def _gap(text: str) -> float | None:
 def wanted(args: argparse.Namespace) -> bool:
     """Whether the multi-instance path runs (serve mode with --instances, --metrics-port or
     --index)."""
-    return args.instances is not None or args.metrics_port is not None or args.index != "memory"
+    return (
+        args.instances is not None
+        or args.metrics_port is not None
+        or args.index != "memory"
+        or args.router_url is not None
+    )
 
 
 def run(
@@ -109,6 +120,7 @@ def run(
         args.event_transport,
         max_load_gap=args.router_max_load_gap,
         index_url=index_url,
+        router_url=args.router_url,
     )
     if index_url is not None:
         _check_redis(index_url)
@@ -137,6 +149,7 @@ def run(
             "event_transport": args.event_transport,
             "router_max_load_gap": args.router_max_load_gap,
             "index": args.index,
+            "router_url": args.router_url,
         },
         "results": summaries,
     }

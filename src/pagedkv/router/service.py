@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -69,6 +70,7 @@ class RouterService:
         self.hasher = make_request_block_hasher(config.block_size, config.hash_algorithm)
         self.tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else None
         self.in_flight: dict[str, int] = dict.fromkeys(ids, 0)
+        self.endpoints = {i.instance_id: (i.endpoint, i.replay_endpoint) for i in config.instances}
         self.num_requests = 0
         self.metrics = _Metrics(self)
 
@@ -177,6 +179,8 @@ class RouterService:
         with self.feeds.lock:
             instances = {
                 i: {
+                    "endpoint": self.endpoints[i][0],
+                    "replay_endpoint": self.endpoints[i][1],
                     "connected": state.connected,
                     "exact": state.exact,
                     "last_seq": self.feeds.applied_seq[i],
@@ -189,6 +193,9 @@ class RouterService:
             }
             return {
                 "ready": router.exact,
+                "block_size": self.config.block_size,
+                "hash_algorithm": self.config.hash_algorithm,
+                "policy": self.config.policy,
                 "index": self.config.index,
                 "index_available": not router.degraded,
                 "index_exact": router.exact,
@@ -346,8 +353,12 @@ def serve(config: ServiceConfig, print_fn: Any = print) -> None:
         port = runner.addresses[0][1] if runner.addresses else config.port
         print_fn(service.describe())
         print_fn(f"listening on http://{config.host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):  # operators stop services with TERM
+            loop.add_signal_handler(signum, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
             await runner.cleanup()
 

@@ -59,6 +59,9 @@ class ClusterConfig:
     after an outage."""
     index_retry_interval_s: float = 0.5
     """How often a router whose index is down tries it again (wall-clock seconds)."""
+    router_url: str | None = None
+    """Route through this running `pagedkv router serve` (http://HOST:PORT) instead of an
+    in-process router: the instances publish on the endpoints it subscribes to."""
     audit_index: bool = False
     """Check every routing decision made on the index against an index fed directly by the
     publishers (the truth as of the batches published): counts phantom hits (a score above
@@ -71,6 +74,8 @@ class ClusterConfig:
             raise ConfigError(
                 f"event_transport must be one of {EVENT_TRANSPORTS}, got {self.event_transport!r}"
             )
+        if self.router_url is not None and self.index_url is not None:
+            raise ConfigError("router_url and index_url exclude each other (the service has one)")
         if self.index_url is not None and not self.index_url.startswith(
             ("redis://", "rediss://", "unix://")
         ):
@@ -83,19 +88,30 @@ class ClusterConfig:
 class _Instance:
     """One serving instance: its run, its publisher, and the router's subscriber to it."""
 
-    def __init__(self, instance_id: str, run: ServeRun, transport: str, run_tag: str) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        run: ServeRun,
+        transport: str,
+        run_tag: str,
+        endpoints: tuple[str, str] | None = None,
+    ) -> None:
         from pagedkv.wire.transport import ZmqEventPublisher, ZmqEventSubscriber
 
         self.instance_id = instance_id
         self.run = run
-        if transport == "inproc":
+        self.subscriber: Any = None
+        if endpoints is not None:  # a router service subscribes to these
+            self.publisher = ZmqEventPublisher(endpoints[0], endpoints[1], bind=True)
+        elif transport == "inproc":
             name = f"inproc://pagedkv-sim-{run_tag}-{instance_id}"
             self.publisher = ZmqEventPublisher(name, name + "-replay")
             endpoint, replay = name, name + "-replay"
         else:
             self.publisher = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
             endpoint, replay = self.publisher.endpoint, self.publisher.replay_endpoint
-        self.subscriber = ZmqEventSubscriber(endpoint, replay, replay_timeout_s=5.0)
+        if endpoints is None:
+            self.subscriber = ZmqEventSubscriber(endpoint, replay, replay_timeout_s=5.0)
         self.pending: list[tuple[float, list]] = []  # (visible at, events) not yet published
         self.num_dispatched = 0
         self.busy_s = 0.0
@@ -109,7 +125,8 @@ class _Instance:
         return self.run.scheduler.has_unfinished_requests()
 
     def close(self) -> None:
-        self.subscriber.close()
+        if self.subscriber is not None:
+            self.subscriber.close()
         self.publisher.shutdown()
 
 
@@ -122,11 +139,21 @@ class _ClusterRun:
         serve = replace(config.serve, enable_kv_cache_events=True)
         empty = Trace(trace.name, (), trace.source)
         tag = uuid.uuid4().hex[:8]
+        self.remote = self._connect_remote(config, serve)
         self.instances = [
-            _Instance(str(i), ServeRun(empty, serve), config.event_transport, tag)
+            _Instance(
+                str(i),
+                ServeRun(empty, serve),
+                config.event_transport,
+                tag,
+                None if self.remote is None else self.remote.endpoints[i],
+            )
             for i in range(config.num_instances)
         ]
-        self.router = Router(
+        if self.remote is not None:
+            self.remote.wait_for_fresh_streams()
+        self.policy = policy
+        self.router: Any = self.remote or Router(
             [inst.instance_id for inst in self.instances],
             make_policy(policy, config.max_load_gap),
             index=self._make_index(config.index_url, tag),
@@ -149,6 +176,16 @@ class _ClusterRun:
         self.num_rejected = 0
         self.matched_blocks: list[int] = []
         self.hash_block_size = serve.block_size
+
+    @staticmethod
+    def _connect_remote(config: ClusterConfig, serve: ServeConfig) -> Any:
+        if config.router_url is None:
+            return None
+        from pagedkv.sim.remote_router import RemoteRouter
+
+        return RemoteRouter(
+            config.router_url, config.num_instances, serve.block_size, serve.hash_algorithm
+        )
 
     def _make_index(self, url: str | None, tag: str) -> Any:
         if url is None:
@@ -214,7 +251,13 @@ class _ClusterRun:
         loads = {inst.instance_id: inst.run.scheduler.get_num_unfinished_requests()
                  for inst in self.instances}  # fmt: skip
         block_hashes = request_block_hashes(request)
-        decision = self.router.route(block_hashes, loads)
+        if self.remote is not None:
+            published = [inst.publisher.next_seq - 1 for inst in self.instances]
+            decision = self.remote.route_request(
+                request.prompt_token_ids, loads, published, self.policy
+            )
+        else:
+            decision = self.router.route(block_hashes, loads)
         if self.audit is not None and decision.match_lengths is not None:
             self.audit.check(block_hashes, decision.match_lengths)
             recovered = self.router.num_recoveries != self.audit.seen_recoveries
@@ -255,7 +298,10 @@ class _ClusterRun:
             del pending[:count]
 
     def _barrier(self) -> None:
-        """Apply, through the subscribers, every batch published so far."""
+        """Apply, through the subscribers, every batch published so far (a router service
+        does it itself: each request's `sync`)."""
+        if self.remote is not None:
+            return
         deadline = time.monotonic() + _BARRIER_TIMEOUT_S
         router = self.router
         for inst in self.instances:
@@ -308,7 +354,7 @@ class _ClusterRun:
     def index_matches_pools(self) -> bool | None:
         """Whether the router's index equals every instance's real cache contents (None: the
         index cannot be read)."""
-        if self.router.degraded:
+        if self.remote is not None or self.router.degraded:
             return None
         try:
             return self._index_equals_pools()
@@ -351,13 +397,7 @@ class _ClusterRun:
                     "event_batches": inst.publisher.next_seq,
                     "events": inst.num_events,
                     "events_dropped": inst.publisher.dropped_batches,
-                    "subscriber": {
-                        "gaps": inst.subscriber.num_gaps,
-                        "replayed": inst.subscriber.num_replayed,
-                        "snapshots": inst.subscriber.num_snapshots,
-                        "missed": inst.subscriber.num_missed,
-                        "malformed": inst.subscriber.num_malformed,
-                    },
+                    "subscriber": _subscriber_counts(inst.subscriber),
                 }
             )
         completed = sum(run.totals["completed"] for run in runs)
@@ -390,7 +430,8 @@ class _ClusterRun:
             "mean_matched_blocks": round_sig6(sum(matched) / len(matched) if matched else 0.0),
             "fallback_decisions": router.num_fallback_decisions,
             "index_matches_pools": index_ok,
-            "index": "memory" if self.index_url is None else "redis",
+            "index": "service" if self.remote else "redis" if self.index_url else "memory",
+            **({} if self.remote is None else self.remote.describe()),
             "index_available": not router.degraded,
             "index_exact": router.exact,
             "index_outages": router.num_outages,
@@ -403,6 +444,9 @@ class _ClusterRun:
 
     def close(self) -> None:
         """Drop this run's Redis namespace, if the server is reachable."""
+        if self.remote is not None:
+            self.remote.close()
+            return
         drop = getattr(self.router.index, "drop_namespace", None)
         if drop is not None:
             try:
@@ -450,6 +494,19 @@ class _Audit:
             "contents_checks": self.num_contents_checks,
             "contents_mismatches": self.num_contents_mismatches,
         }
+
+
+def _subscriber_counts(subscriber: Any) -> dict[str, int] | None:
+    """The in-process subscriber's counters (None: a router service subscribed instead)."""
+    if subscriber is None:
+        return None
+    return {
+        "gaps": subscriber.num_gaps,
+        "replayed": subscriber.num_replayed,
+        "snapshots": subscriber.num_snapshots,
+        "missed": subscriber.num_missed,
+        "malformed": subscriber.num_malformed,
+    }
 
 
 def _load_balance(per_instance: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -71,8 +71,8 @@ def should_bind(endpoint: str) -> bool:
     return endpoint.startswith("tcp://") and endpoint.rpartition(":")[2] == "0"
 
 
-def _bind_or_connect(socket: Any, endpoint: str) -> str:
-    if should_bind(endpoint):
+def _bind_or_connect(socket: Any, endpoint: str, bind: bool | None = None) -> str:
+    if should_bind(endpoint) if bind is None else bind:
         socket.bind(endpoint)
         return socket.getsockopt(zmq.LAST_ENDPOINT).decode()
     socket.connect(endpoint)
@@ -88,6 +88,9 @@ class ZmqEventPublisher:
     in `dropped_batches` and logs a warning; its sequence number is still consumed, so
     subscribers see a gap that replay cannot fill and resynchronise from a snapshot. PUB
     itself drops messages for a subscriber past `hwm`; a vanished consumer never blocks.
+
+    Endpoint: bound or connected as `should_bind` decides, unless `bind` says (a service that
+    connects to `tcp://host:port` needs the publisher to bind that named address).
 
     Snapshots: with `track_state` (default), `publish` also applies the batch to a
     `CacheMirror`, and a snapshot request on the replay socket is answered with a batch that
@@ -111,6 +114,7 @@ class ZmqEventPublisher:
         track_state: bool = True,
         context: Any = None,
         startup_timeout_s: float = 5.0,
+        bind: bool | None = None,
     ) -> None:
         for name, value in (
             ("buffer_steps", buffer_steps),
@@ -128,6 +132,7 @@ class ZmqEventPublisher:
         self.replay_endpoint: str | None = None
         self.encoder = encoder or EventEncoder()
         self._hwm = hwm
+        self._bind = bind
         self._context = context or zmq.Context.instance()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -221,7 +226,7 @@ class ZmqEventPublisher:
             pub = self._context.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self._hwm)
             pub.setsockopt(zmq.LINGER, 0)
-            self.endpoint = _bind_or_connect(pub, self._requested_endpoint)
+            self.endpoint = _bind_or_connect(pub, self._requested_endpoint, self._bind)
             if self._requested_replay is not None:
                 router = self._context.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
