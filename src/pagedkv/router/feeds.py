@@ -52,6 +52,7 @@ class EventFeeds:
         }
         self.applied_seq: dict[str, int | None] = dict.fromkeys(self.subscribers)
         self.num_events_applied: dict[str, int] = dict.fromkeys(self.subscribers, 0)
+        self._last_resync_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pagedkv-router-feeds", daemon=True)
 
@@ -87,10 +88,26 @@ class EventFeeds:
                 self.applied_seq[instance_id] = subscriber.last_seq
             num_batches += len(items)
         with self.lock:
-            router.maybe_recover()
+            router.maybe_recover(resync_inexact=False)
+            inexact = [i for i, state in router.states.items() if not state.exact]
+        if inexact and not router.degraded:
+            self._resync(inexact)
         if not num_batches and timeout_ms:
             self._wait(timeout_ms)
         return num_batches
+
+    def _resync(self, inexact: list[str]) -> None:
+        """Ask inexact instances for a snapshot (at most once per retry interval), off the
+        lock: a publisher that does not answer costs the feed its timeout, not the API."""
+        now = time.monotonic()
+        if now - self._last_resync_s < self.router.retry_interval_s:
+            return
+        self._last_resync_s = now
+        for instance_id in inexact:
+            snapshot = self.subscribers[instance_id].sync_batch()
+            if snapshot is not None and snapshot.snapshot_next_seq is not None:
+                with self.lock:
+                    self.router.apply_batch(instance_id, snapshot.snapshot_next_seq, snapshot)
 
     def _wait(self, timeout_ms: int) -> None:
         import zmq

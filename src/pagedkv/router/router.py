@@ -287,10 +287,14 @@ class Router:
             self.maybe_recover()
         return not self.degraded and self._claimed
 
-    def maybe_recover(self, force: bool = False) -> None:
-        """If the index is down, or an instance is inexact and a snapshot source exists,
-        try to resynchronise, at most once per `retry_interval_s` (`force`: now)."""
+    def maybe_recover(self, force: bool = False, resync_inexact: bool = True) -> None:
+        """If the index is down, or (with `resync_inexact`) an instance is inexact and a
+        snapshot source exists, try to resynchronise, at most once per `retry_interval_s`
+        (`force`: now). A caller that fetches snapshots itself (off a lock) passes
+        `resync_inexact=False` and hands them to `apply_batch`."""
         inexact = [i for i, state in self.states.items() if not state.exact]
+        if not resync_inexact:
+            inexact = []
         if self._claimed and not self.degraded and not (inexact and self.snapshot_source):
             return
         now = self.clock()

@@ -115,11 +115,12 @@ class RouterService:
     def score(self, body: Mapping[str, Any]) -> dict[str, Any]:
         hashes = self.block_hashes(body)
         ids = self.candidates(body)
-        start = time.perf_counter()
         with self.feeds.lock:
+            start = time.perf_counter()
             lengths = self.router.score(hashes, ids)
+            elapsed = time.perf_counter() - start
             exact = self.router.exact
-        self.metrics.observe_score(time.perf_counter() - start)
+        self.metrics.observe_score(elapsed)
         return {
             "block_size": self.config.block_size,
             "num_blocks": len(hashes),
@@ -148,11 +149,12 @@ class RouterService:
             isinstance(v, int | float) for v in loads.values()
         ):
             raise InvalidArgumentError("'loads' must map instance ids to numbers")
-        start = time.perf_counter()
         with self.feeds.lock:
+            start = time.perf_counter()
             decision = self.router.route(hashes, loads, ids, policy=self.policies[name])
+            elapsed = time.perf_counter() - start
             exact = self.router.exact
-        self.metrics.observe_decision(decision, time.perf_counter() - start)
+        self.metrics.observe_decision(decision, elapsed)
         if track:
             self.in_flight[decision.instance_id] += 1
         lengths = decision.match_lengths or {}
