@@ -7,6 +7,9 @@ replayed once per instance. Times are process CPU time (`time.process_time`), me
 `--repeats` runs, so a loaded machine inflates them less than wall time. Prints JSON.
 
     python benchmarks/bench_router_index.py [--repeats 5] [--redis]
+
+With --redis, the Redis index too, against a redis-server it starts (wall time, one instance's
+stream applied, then the same score).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ def measure_score(make_index, repeats: int, num_calls: int = 2000) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--redis", action="store_true", help="also a local redis-server")
     args = parser.parse_args()
     from pagedkv.router import InMemoryPrefixIndex
 
@@ -116,8 +120,40 @@ def main() -> int:
             **measure_score(InMemoryPrefixIndex, args.repeats),
         },
     }
+    if args.redis:
+        result["redis"] = measure_redis(stream, num_updates)
     print(json.dumps(result, indent=2))
     return 0
+
+
+def measure_redis(stream: list[list], num_updates: int) -> dict | str:
+    """The Redis index against a local server (wall time: the server does the work)."""
+    started = bench_events._start_redis()
+    if started is None:
+        return "skipped: redis-server not installed"
+    process, url = started
+    try:
+        from pagedkv.router.redis_index import RedisPrefixIndex
+
+        index = RedisPrefixIndex(url, namespace="bench", socket_timeout_s=30)
+        start = time.perf_counter()
+        for events in stream:
+            index.apply_events("i0", events)
+        updates_per_s = num_updates / (time.perf_counter() - start)
+        instances = [f"i{n}" for n in range(NUM_INSTANCES)]
+        hashes = [(n * 0x9E3779B97F4A7C15) & (2**64 - 1) for n in range(1, SCORE_BLOCKS + 1)]
+        for instance_id in instances:
+            index.apply_events(instance_id, [BlockStored(hashes, None, [], 16, None, "GPU", 0)])
+        start = time.perf_counter()
+        for _ in range(200):
+            index.match_lengths(hashes, instances)
+        return {
+            "block_updates_per_s": round(updates_per_s),
+            "score_us": round((time.perf_counter() - start) / 200 * 1e6, 1),
+        }
+    finally:
+        process.terminate()
+        process.wait()
 
 
 if __name__ == "__main__":
