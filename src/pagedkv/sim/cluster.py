@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,12 +20,12 @@ from pagedkv.errors import ConfigError, InvariantViolation
 from pagedkv.router import (
     POLICY_NAMES,
     IndexUnavailableError,
-    InMemoryPrefixIndex,
     Router,
     external_events,
     make_policy,
     request_block_hashes,
 )
+from pagedkv.sim.cluster_audit import RoutingAudit
 from pagedkv.sim.serve import (
     ServeConfig,
     ServeRun,
@@ -160,7 +160,7 @@ class _ClusterRun:
             snapshot_source=self._snapshot,
             retry_interval_s=config.index_retry_interval_s,
         )
-        self.audit = _Audit() if config.audit_index else None
+        self.audit = RoutingAudit() if config.audit_index else None
         self.trace = trace
         self.serve = serve
         self.arrivals = [r.arrival_time_s * serve.time_scale for r in trace.requests]
@@ -453,47 +453,6 @@ class _ClusterRun:
                 drop()
             except IndexUnavailableError:
                 pass
-
-
-class _Audit:
-    """The truth as of the batches published (an index fed by the publishers, not the wire)
-    and the count of routing decisions whose scores disagreed with it."""
-
-    def __init__(self) -> None:
-        self.truth = InMemoryPrefixIndex()
-        self.num_decisions = 0
-        self.num_phantom = 0
-        self.num_inexact = 0
-        self.num_contents_checks = 0
-        self.num_contents_mismatches = 0
-        self.seen_recoveries = 0
-
-    def check(self, block_hashes: Sequence[Any], lengths: Mapping[str, int]) -> None:
-        true = self.truth.match_lengths(block_hashes, lengths)
-        self.num_decisions += 1
-        self.num_phantom += any(lengths[i] > true[i] for i in lengths)
-        self.num_inexact += lengths != true
-
-    def check_contents(self, index: Any, instances: Sequence[_Instance]) -> None:
-        """Compare the whole index with the truth (skipped while the index is unreadable)."""
-        try:
-            contents = {i.instance_id: index.instance_contents(i.instance_id) for i in instances}
-        except IndexUnavailableError:
-            return
-        self.num_contents_checks += 1
-        truth = self.truth
-        self.num_contents_mismatches += any(
-            contents[i] != truth.instance_contents(i) for i in contents
-        )
-
-    def summary(self) -> dict[str, int]:
-        return {
-            "decisions_on_index": self.num_decisions,
-            "phantom_hit_decisions": self.num_phantom,
-            "inexact_decisions": self.num_inexact,
-            "contents_checks": self.num_contents_checks,
-            "contents_mismatches": self.num_contents_mismatches,
-        }
 
 
 def _subscriber_counts(subscriber: Any) -> dict[str, int] | None:
