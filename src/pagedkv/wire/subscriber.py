@@ -354,7 +354,7 @@ class ZmqEventSubscriber:
             return None
         seq, payload = answers[0]
         batch = self._decode(payload)
-        if batch is None or not batch.is_snapshot:
+        if batch is None or batch.snapshot_next_seq is None:
             return None
         self.num_snapshots += 1
         return ReceivedBatch(batch.snapshot_next_seq, batch, replayed=True)
