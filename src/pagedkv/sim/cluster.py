@@ -38,6 +38,7 @@ from pagedkv.sim.traces import Trace
 ProgressCallback = Callable[[int], None]
 EVENT_TRANSPORTS = ("inproc", "tcp")
 _BARRIER_TIMEOUT_S = 30.0
+_FILL_AFTER_S = 0.5  # nothing received this long while behind: ask the replay socket
 _AUDIT_CONTENTS_EVERY = 25  # decisions between two whole-index comparisons (and after a recovery)
 
 
@@ -316,7 +317,12 @@ class _ClusterRun:
                         f"published but the router got {subscriber.last_seq}"
                     )
                 num_lost = subscriber.num_lost
-                for item in subscriber.poll(0.01):
+                items = subscriber.poll(0.01)
+                if not items and time.monotonic() > deadline - _BARRIER_TIMEOUT_S + _FILL_AFTER_S:
+                    # Over tcp the first batches can go out before the subscription arrives
+                    # (ZeroMQ's slow joiner), and nothing later reveals the gap.
+                    items = subscriber.fill_to(last_published + 1)
+                for item in items:
                     # Sequence-aware: a batch that a snapshot applied meanwhile (a recovery
                     # inside this loop) already contains is skipped, never applied twice.
                     router.apply_batch(inst.instance_id, item.seq, item.batch)

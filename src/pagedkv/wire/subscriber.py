@@ -142,6 +142,16 @@ class ZmqEventSubscriber:
         subscribers at once."""
         return [self._sub] if self._monitor is None else [self._sub, self._monitor]
 
+    def fill_to(self, next_seq: int) -> list[ReceivedBatch]:
+        """The publisher says it sent every batch below `next_seq`: fetch by replay (else a
+        snapshot) the ones not received. PUB/SUB gives no other sign of a loss at the end of
+        a stream (a subscriber that connected after the last batch waits forever)."""
+        out: list[ReceivedBatch] = []
+        expected = 0 if self.last_seq is None else self.last_seq + 1
+        if expected < next_seq:
+            self._recover(expected, next_seq, out)
+        return out
+
     def sync(self) -> ReceivedBatch | None:
         """Resynchronise from a snapshot now (a late joiner); None if none is available."""
         snapshot = self._request_snapshot()
