@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.engine.attention import build_attention_metadata
+from pagedkv.engine.attention_metadata import build_attention_metadata
 from pagedkv.engine.model_runner import ModelRunner, make_kv_cache_config
 from pagedkv.engine.sampling import SamplingParams, make_generator, sample_tokens
 from pagedkv.errors import ConfigError, InvalidArgumentError, RequestStateError
