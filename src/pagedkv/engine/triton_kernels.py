@@ -24,18 +24,17 @@ import sys
 
 import torch
 
+from pagedkv.engine import choose_triton_mode
 from pagedkv.errors import ConfigError
 
-# Triton decides when it decorates a function (its own library functions included, at import)
-# whether it is compiled or interpreted. Without a GPU the interpreter is the only way to run
-# a kernel, so choose it before triton is imported.
-if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    if "triton" in sys.modules:
-        raise ConfigError(
-            "no GPU, and triton was imported before pagedkv could select its interpreter: "
-            "set TRITON_INTERPRET=1 in the environment"
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
+choose_triton_mode()
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    raise ConfigError(
+        "no GPU, and triton was imported before pagedkv could select its interpreter: set "
+        "TRITON_INTERPRET=1 in the environment (or import pagedkv.engine before building models)"
+        if "triton" in sys.modules
+        else "no GPU and TRITON_INTERPRET is not 1: Triton kernels cannot run"
+    )
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -181,8 +180,8 @@ def paged_attention_kernel(
         table = block_ids_ptr + tl.load(block_table_starts_ptr + seq)
         kv_head_offset = kv_head.to(tl.int64) * stride_kv_head
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        running_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+        running_sum = tl.full([BLOCK_M], 0.0, tl.float32)  # tl.full: a builtin, tl.zeros is jit
+        acc = tl.full([BLOCK_M, HEAD_DIM_PADDED], 0.0, tl.float32)
         for tile in range(tile_begin, tile_end):
             key_pos = tile * TILE_N + tl.arange(0, TILE_N)
             key_valid = (key_pos >= key_low) & (key_pos < key_high)
