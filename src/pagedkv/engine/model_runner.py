@@ -36,6 +36,52 @@ _WEIGHT_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 _CONFIG_WINDOW_ARCHITECTURES = ("MistralForCausalLM",)
 
 
+def _config_file(model_path: str | Path) -> Path:
+    path = Path(model_path)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise InvalidArgumentError(f"model path {str(model_path)!r} has no config.json")
+    return config_file
+
+
+def _has_weights(model_path: str | Path) -> bool:
+    path = Path(model_path)
+    return path.is_dir() and any(
+        next(path.glob(pattern), None) is not None for pattern in _WEIGHT_FILE_PATTERNS
+    )
+
+
+def load_config(model_path: str | Path):
+    """The transformers config of a checkpoint directory or a `config.json` (no weights read).
+
+    Raises `InvalidArgumentError` without a config.json and `ConfigError` for one transformers
+    cannot read.
+    """
+    from transformers import AutoConfig
+
+    config_file = _config_file(model_path)
+    try:
+        config_dict = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{config_file} is not a readable JSON config: {exc}") from exc
+    model_type = config_dict.pop("model_type", None) if isinstance(config_dict, dict) else None
+    if model_type is None:
+        raise ConfigError(f"{config_file} has no model_type")
+    try:
+        return AutoConfig.for_model(model_type, **config_dict)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{config_file}: transformers cannot build this config: {exc}") from exc
+
+
+def count_parameters(config) -> int:
+    """Parameters of the model `config` describes, counted on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
 def load_model(
     model_path: str | Path,
     *,
@@ -49,23 +95,14 @@ def load_model(
     offline), or a `config.json` file / a directory holding only one (the model is built with
     `from_config` and random weights drawn after `torch.manual_seed(seed)`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    path = Path(model_path)
-    config_file = path / "config.json" if path.is_dir() else path
-    if not config_file.is_file():
-        raise InvalidArgumentError(f"model path {str(model_path)!r} has no config.json")
-    has_weights = path.is_dir() and any(
-        next(path.glob(pattern), None) is not None for pattern in _WEIGHT_FILE_PATTERNS
-    )
-    if has_weights:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    if _has_weights(model_path):
+        model = AutoModelForCausalLM.from_pretrained(
+            Path(model_path), dtype=dtype, local_files_only=True
+        )
     else:
-        config_dict = json.loads(config_file.read_text())
-        model_type = config_dict.pop("model_type", None)
-        if model_type is None:
-            raise ConfigError(f"{config_file} has no model_type")
-        config = AutoConfig.for_model(model_type, **config_dict)
+        config = load_config(model_path)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.to(device).eval()  # type: ignore[arg-type]
