@@ -30,6 +30,7 @@ import random
 import statistics
 import sys
 from time import perf_counter
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,11 +57,11 @@ TINY = dict(
     num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
 )  # fmt: skip
 ATTENTION_SHAPES = {"full": [(64, 4096), (256, 1024), (16, 32768)], "tiny": [(2, 40), (3, 17)]}
-DECODE = {
+DECODE: dict[str, dict[str, Any]] = {
     "full": dict(batches=(1, 64, 256), context=2048, tail=32, steps=24, chunk=8192),
     "tiny": dict(batches=(1, 4), context=64, tail=8, steps=4, chunk=64),
 }
-EQUIVALENCE = {
+EQUIVALENCE: dict[str, dict[str, Any]] = {
     "full": dict(num_prompts=4, prompt_len=160, new_tokens=32),
     "tiny": dict(num_prompts=2, prompt_len=24, new_tokens=8),
 }
@@ -229,7 +230,7 @@ def time_manager(engine: LLMEngine) -> dict[str, float]:
     manager = engine.kv_cache_manager
     state = {"depth": 0, "seconds": 0.0}
     # The scheduler also reads block tables straight from the coordinator.
-    targets = [(manager, name) for name in MANAGER_METHODS]
+    targets: list[tuple[object, str]] = [(manager, name) for name in MANAGER_METHODS]
     targets.append((manager.coordinator, "get_blocks"))
     for owner, name in targets:
         method = getattr(owner, name, None)
@@ -311,8 +312,9 @@ def decode_case(model, batch: int, caching: bool, plan: dict, args, device) -> d
         "update_ms": median_ms(4),
         "num_prefix_hit_tokens": engine.stats.num_prefix_hit_tokens,
     }
-    if engine.graphs is not None and engine.graphs.captured_buckets:
-        graph = engine.graphs._graphs[engine.graphs.bucket_for(batch)]
+    bucket = engine.graphs.bucket_for(batch) if engine.graphs is not None else None
+    if engine.graphs is not None and bucket in engine.graphs.captured_buckets:
+        graph = engine.graphs._graphs[bucket]
         result["graph_replay_ms"] = round(time_ms(graph.replay, device, iters=10), 4)
     return result
 
@@ -378,7 +380,7 @@ def equivalence(args, device, tiny: bool, dtype: torch.dtype) -> dict:
         record_logits=True,
     )
     outputs = LLMEngine(model, config).generate(prompts, SamplingParams(max_tokens=new_tokens))
-    results = []
+    results: list[dict[str, Any]] = []
     for prompt, output in zip(prompts, outputs, strict=True):
         ours = output.output_token_ids
         with torch.no_grad():
@@ -450,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python benchmarks/gpu_engine.py", *(argv or sys.argv[1:])]),
     }
     try:
-        import triton
+        import triton  # type: ignore[import-untyped]
 
         result["triton"] = triton.__version__
     except ImportError:

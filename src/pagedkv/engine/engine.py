@@ -9,6 +9,7 @@ manager; the engine only honours the block tables they give.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import time
 import zlib
@@ -396,8 +397,4 @@ def resolve_backend(config: EngineConfig, model) -> str:
         return config.attention_backend
     if next(model.parameters()).device.type != "cuda":
         return "sdpa"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "sdpa"
-    return "triton"
+    return "triton" if importlib.util.find_spec("triton") is not None else "sdpa"
