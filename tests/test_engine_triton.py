@@ -134,3 +134,44 @@ def test_decode_tiles_split_only_when_the_batch_cannot_fill_the_device(monkeypat
     assert tiles(1, 300).num_splits == 1  # 300 keys: not worth a split
     prefill = tiles(2, 100, num_new=50)
     assert (prefill.num_splits, prefill.block_q * prefill.rows_per_token) == (1, 64)
+
+
+def test_graph_buckets_and_decode_packing():
+    from pagedkv.engine.cuda_graphs import _pack_decode, default_buckets
+    from pagedkv.errors import InvalidArgumentError
+
+    assert default_buckets(1) == (1,)
+    assert default_buckets(40) == (1, 2, 4, 8, 16, 32, 40)
+    assert default_buckets(64) == (1, 2, 4, 8, 16, 32, 48, 64)
+    # Two real sequences (14 and 10 tokens, block size 4) and two padding sequences, each
+    # holding one key in the null block: [query_start_loc | seq_lens | starts | block ids].
+    packed = _pack_decode([[3, 4, 5, 6], [7, 8, 9, 11]], [14, 10], 4, 2)
+    assert packed.tolist() == [0, 1, 2, 3, 4] + [14, 10, 1, 1] + [0, 4, 7, 8, 9] + [
+        3, 4, 5, 6, 7, 8, 9, 0, 0,
+    ]  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match="no real block for token 9"):
+        _pack_decode([[7, 8, 0]], [10], 4, 0)
+
+
+def test_triton_imported_before_pagedkv_without_a_gpu_is_a_clear_error():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import torch, triton\n"
+        "assert not torch.cuda.is_available()\n"
+        "from pagedkv.errors import ConfigError\n"
+        "try:\n"
+        "    from pagedkv.engine import triton_kernels\n"
+        "except ConfigError as exc:\n"
+        "    print(exc)\n"
+    )
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the kernels compile")
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert "triton was imported before pagedkv could select its interpreter" in result.stdout
+    assert "TRITON_INTERPRET=1" in result.stdout
