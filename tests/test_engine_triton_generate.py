@@ -46,3 +46,24 @@ def test_triton_backend_and_decode_graphs_match_hf_generate():
     assert [output.num_cached_tokens for output in outputs] == [0, 8, 8]
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.output_token_ids == hf_greedy(model, prompt, 6)
+
+
+def test_one_token_prefill_chunks_in_a_graph_step_sample_only_finished_prompts():
+    # A token budget of 2: while A decodes, B's prompt advances one token a step, so steps of
+    # one token a sequence (graph-shaped) include a chunk that must not be sampled.
+    model = tiny_model("llama")
+    prompts = [[11, 12, 13], [21, 22, 23, 24, 25]]
+    config = EngineConfig(
+        block_size=4,
+        num_blocks=16,
+        max_model_len=16,
+        max_num_batched_tokens=2,
+        max_num_seqs=2,
+        attention_backend="triton",
+    )
+    engine = LLMEngine(model, config)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=3))
+    shapes = [record.num_scheduled_tokens for record in engine.scheduler.step_records]
+    assert (1, 1) in shapes[:4]  # A decoding next to one of B's prompt tokens
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.output_token_ids == hf_greedy(model, prompt, 3)

@@ -330,7 +330,9 @@ class LLMEngine:
         ):
             seq_lens = [computed + 1 for computed in num_computed]
             group_tables = [[row[g] for row in tables] for g in range(len(runner.block_sizes))]
-            return graphs.execute(input_ids, group_tables, seq_lens)
+            logits = graphs.execute(input_ids, group_tables, seq_lens)  # one row a sequence
+            # A one-token prefill chunk that leaves its prompt unfinished samples nothing.
+            return logits if len(sample_rows) == len(input_ids) else logits[sample_rows]
         device = runner.device
         metadata = []
         for group_id, block_size in enumerate(runner.block_sizes):
