@@ -9,6 +9,9 @@
     batch 1, 64 and 256 with ~2k-token contexts (a shared prefix plus unique tails), with and
     without prefix caching: median step, its host split (scheduler, manager, forward), the
     graph replay alone, and the floors (weights read once; weights plus the KV read).
+(d) host: building a decode step's block tables on the host at batch 256 x 2,048 tokens:
+    whole tables read from the blocks and padded (before issue 15) vs per-request tables
+    extended by new blocks and packed in CSR (`pack_step`), alternating, medians.
 (c) equivalence: pagedkv greedy vs transformers on the same random weights (Llama-1B shape):
     float32 must match token for token; bfloat16 is teacher-forced (transformers' logits along
     pagedkv's tokens) and passes if every disagreement is within BF16_MARGIN logits of a tie.
@@ -36,8 +39,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from pagedkv.block import KVCacheBlock
 from pagedkv.engine.attention import paged_attention_sdpa
-from pagedkv.engine.attention_metadata import build_attention_metadata
+from pagedkv.engine.attention_metadata import build_attention_metadata, pack_step
 from pagedkv.engine.engine import EngineConfig, LLMEngine
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.specs import cdiv
@@ -358,6 +362,49 @@ def decode(args, device, tiny: bool) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------ (d) host
+
+
+def host_tables(args, tiny: bool) -> dict:
+    """Host time to turn a decode batch's block tables into one int tensor, two ways."""
+    num_seqs, context, block_size = (8, 256, 16) if tiny else (256, 2048, 16)
+    blocks_per_seq = context // block_size
+    rng = random.Random(args.seed)
+    ids = list(range(1, 1 + num_seqs * blocks_per_seq))
+    rng.shuffle(ids)
+    tables = [
+        [KVCacheBlock(b) for b in ids[s * blocks_per_seq : (s + 1) * blocks_per_seq]]
+        for s in range(num_seqs)
+    ]
+    rows = [[block.block_id for block in table] for table in tables]
+    num_computed, num_new = [context - 1] * num_seqs, [1] * num_seqs
+
+    def whole_tables_padded():  # what the engine did per step before
+        block_ids = [[block.block_id for block in table] for table in tables]
+        width = max(map(len, block_ids))
+        return torch.tensor([row + [0] * (width - len(row)) for row in block_ids])
+
+    def rows_packed():  # each request's row already extended; pack in CSR
+        return pack_step(rows, num_computed, num_new, block_size).host
+
+    samples: dict[str, list[float]] = {"whole_tables_padded": [], "rows_packed": []}
+    for _ in range(args.iters):
+        for name, fn in (
+            ("whole_tables_padded", whole_tables_padded),
+            ("rows_packed", rows_packed),
+        ):
+            started = perf_counter()
+            fn()
+            samples[name].append(1e3 * (perf_counter() - started))
+    medians = {name: round(statistics.median(ms), 4) for name, ms in samples.items()}
+    return {
+        "batch": num_seqs,
+        "context": context,
+        "median_ms": medians,
+        "ratio": round(medians["rows_packed"] / medians["whole_tables_padded"], 3),
+    }
+
+
 # ------------------------------------------------------------------------------ (c) equivalence
 
 
@@ -431,7 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run")
-    parser.add_argument("--only", choices=("attention", "decode", "equivalence"), default=None)
+    parser.add_argument(
+        "--only", choices=("attention", "decode", "equivalence", "host"), default=None
+    )
     parser.add_argument("--sweep", action="store_true", help="(a): time a grid of kernel tiles")
     parser.add_argument("--attention-backend", default="auto", help="engine backend (auto)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="eager decode steps")
@@ -461,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         result["attention"] = attention(args, device, args.tiny)
     if args.only in (None, "decode"):
         result["decode"] = decode(args, device, args.tiny)
+    if args.only in (None, "host"):
+        result["host"] = host_tables(args, args.tiny)
     if args.only in (None, "equivalence"):
         result["equivalence"] = [
             equivalence(args, device, args.tiny, dtype) for dtype in (torch.float32, torch.bfloat16)

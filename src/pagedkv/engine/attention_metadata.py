@@ -158,8 +158,13 @@ def pack_step(
             )
         query_start_loc.append(query_start_loc[-1] + num_new)
         seq_lens.append(seq_len)
-        # Hot path: one C-level extend a sequence (a slice only when the table runs longer).
-        block_ids.extend(table if len(table) == needed else table[:needed])
+        # Hot path: one C-level copy a sequence (a slice only when the table runs longer);
+        # array.fromlist is about twice as fast as extend for a list.
+        part = table if len(table) == needed else table[:needed]
+        if type(part) is list:
+            block_ids.fromlist(part)
+        else:
+            block_ids.extend(part)
         starts.append(len(block_ids))
         max_num_blocks = max(max_num_blocks, needed)
     host = torch.frombuffer(query_start_loc + seq_lens + starts + block_ids, dtype=torch.int32)

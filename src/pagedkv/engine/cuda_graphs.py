@@ -169,7 +169,11 @@ def _pack_decode(
                 f"block table {list(table)} has no real block for token {seq_len - 1} "
                 f"(block size {block_size})"
             )
-        block_ids.extend(table if len(table) == needed else table[:needed])
+        part = table if len(table) == needed else table[:needed]
+        if type(part) is list:  # Hot path: fromlist copies a list fastest
+            block_ids.fromlist(part)
+        else:
+            block_ids.extend(part)
         starts.append(len(block_ids))
     for _ in range(padding):
         block_ids.append(NULL_BLOCK_ID)
