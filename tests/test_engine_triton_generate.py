@@ -19,6 +19,7 @@ require_triton()
 
 from pagedkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedkv.engine.sampling import SamplingParams  # noqa: E402
+from pagedkv.errors import InvalidArgumentError  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -40,6 +41,8 @@ def test_triton_backend_and_decode_graphs_match_hf_generate():
     )
     engine = LLMEngine(model, config)
     assert engine.graphs is not None and engine.graphs.buckets == (1, 2, 4)
+    with pytest.raises(InvalidArgumentError, match="no decode step has run"):
+        engine.graphs.replay_last()
     outputs = engine.generate(prompts, SamplingParams(max_tokens=6))
     engine.check_invariants()
     assert 4 in engine.graphs.captured_buckets  # three sequences and one padding sequence

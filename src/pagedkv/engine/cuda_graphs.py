@@ -62,6 +62,7 @@ class DecodeGraphs:
             for blocks in self._max_blocks
         ]
         self._graphs: dict[int, _Graph] = {}
+        self._last_bucket: int | None = None
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
     def bucket_for(self, num_seqs: int) -> int | None:
@@ -101,7 +102,18 @@ class DecodeGraphs:
         ):
             host = _pack_decode(tables, seq_lens, block_size, padding)
             packed[: host.numel()].copy_(_pinned(host), non_blocking=True)
+        self._last_bucket = bucket
         return graph.replay()[:num_seqs]
+
+    def replay_last(self) -> torch.Tensor:
+        """Replay the last executed step again (benchmarks time the graph alone with this).
+
+        Only the last bucket's graph may run: the static buffers hold that bucket's layout,
+        and another bucket's graph would read them as a different batch (out of bounds).
+        """
+        if self._last_bucket is None:
+            raise InvalidArgumentError("no decode step has run through the graphs yet")
+        return self._graphs[self._last_bucket].replay()
 
     def _forward(self, bucket: int) -> torch.Tensor:
         metadata = [
