@@ -88,8 +88,11 @@ def test_preemption_and_recompute_match_hf_generate(model_type):
     prompts = [random_tokens(rng, 10 + i) for i in range(4)]
     # Each request ends with cdiv(10 + i + 16, 4) = 7..8 blocks; 15 usable blocks hold two.
     engine = make_engine(model, num_blocks=16, max_model_len=32)
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=16))
-    engine.check_invariants()
+    request_ids = [engine.add_request(prompt, SamplingParams(max_tokens=16)) for prompt in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()  # table copies survive preemption and recompute
+    outputs = [engine.get_output(request_id) for request_id in request_ids]
     assert engine.stats.num_preemptions > 0
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.output_token_ids == hf_greedy(model, prompt, 16)
@@ -140,6 +143,7 @@ def test_hybrid_kv_cache_frees_out_of_window_blocks_and_matches_hf_generate():
     window_tables = []
     while engine.has_unfinished_requests():
         engine.step()
+        engine.check_invariants()  # the engine's table copies agree with the manager's
         if engine.has_unfinished_requests():
             window_tables.append(engine.kv_cache_manager.get_block_ids(request_id)[1])
     engine.check_invariants()
