@@ -104,7 +104,9 @@ def import_redis():
         import redis
     except ImportError:
         require_redis()
-        pytest.skip("redis-py is not installed (pip install 'pagedkv[router]')")
+        pytest.skip(
+            "redis-py is not installed (pip install 'pagedkv[router]')", allow_module_level=True
+        )
     return redis
 
 

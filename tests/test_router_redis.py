@@ -8,13 +8,13 @@ import random
 
 import pytest
 from kv_workload import RandomDriver, make_manager, pool_contents
-from redis_server import RedisServer, redis_server  # noqa: F401 - fixture
+from redis_server import RedisServer, import_redis, redis_server  # noqa: F401 - fixture
 
 from pagedkv import BlockRemoved, BlockStored, Request, make_request_block_hasher
 from pagedkv.router import IndexLostError, Router, request_block_hashes
 from pagedkv.wire.snapshot import CacheMirror
 
-redis = pytest.importorskip("redis")
+redis = import_redis()  # skips, or fails under PAGEDKV_REQUIRE_REDIS=1
 
 from pagedkv.router.redis_index import RedisPrefixIndex  # noqa: E402
 
