@@ -88,10 +88,15 @@ class InMemoryPrefixIndex:
 
     Layout: each instance has a bit; `_holders[h]` is the bitmask of instances holding at
     least one copy of hash h (any medium or group), so scoring a request is one dict lookup
-    and one AND per block; `_copies[i][where][h]` counts instance i's copies of h in `where`.
+    and one AND per block. An instance whose copies all live in one (medium, group), `_main[i]`
+    (every instance, until a store names a second one), needs nothing else: its bit is its
+    presence and `_extras[i][h]` its copy count where above 1, so an update costs one lookup
+    in `_holders`. An instance in a second (medium, group) moves for good to `_copies[i][where]
+    [h]` (copy counts per table; `_general`). Clearing a one-table instance scans `_holders`.
 
-    Invariants (`check_invariants`): every count is positive; bit(i) is set in `_holders[h]`
-    iff some `_copies[i][where]` holds h; no `_holders` entry is 0.
+    Invariants (`check_invariants`): no `_holders` entry is 0; for a general instance, bit(i)
+    is set in `_holders[h]` iff some `_copies[i][where]` holds h and every count is positive;
+    for a one-table instance, every `_extras` key has its bit set and a count of at least 2.
     """
 
     def __init__(self, *, idempotent_stores: bool | Collection[str] = False) -> None:
@@ -99,6 +104,9 @@ class InMemoryPrefixIndex:
         self._ids: list[str] = []  # bit position -> instance id
         self._holders: dict[Hashable, int] = {}
         self._copies: dict[str, dict[Where, dict[Hashable, int]]] = {}
+        self._general: set[str] = set()
+        self._main: dict[str, Where | None] = {}
+        self._extras: dict[str, dict[Hashable, int]] = {}
         self._idempotent = idempotent_set(idempotent_stores)
         self.num_unknown_removals = 0
         """`BlockRemoved` for a copy the index did not hold (events applied after a loss)."""
@@ -110,6 +118,8 @@ class InMemoryPrefixIndex:
             bit = self._bit_of[instance_id] = 1 << len(self._ids)
             self._ids.append(instance_id)
             self._copies[instance_id] = {}
+            self._main[instance_id] = None
+            self._extras[instance_id] = {}
         return bit
 
     def is_idempotent(self, instance_id: str) -> bool:
@@ -118,6 +128,77 @@ class InMemoryPrefixIndex:
 
     def apply_events(self, instance_id: str, events: Iterable[KVCacheEvent]) -> None:
         bit = self._slot(instance_id)
+        if instance_id in self._general:
+            self._apply_general(instance_id, bit, events)
+            return
+        stream = events if isinstance(events, list) else list(events)
+        num_done = self._apply_one_table(instance_id, bit, stream)
+        if num_done < len(stream):
+            self._make_general(instance_id, bit)
+            self._apply_general(instance_id, bit, stream[num_done:])
+
+    def _apply_one_table(self, instance_id: str, bit: int, events: list[Any]) -> int:
+        """Apply events while they stay in the instance's one table; return how many."""
+        holders = self._holders
+        holders_get = holders.get
+        extras = self._extras[instance_id]
+        idempotent = self.is_idempotent(instance_id)
+        main = self._main[instance_id]
+        medium, group = main if main is not None else ((), ())
+        unknown = 0
+        # Hot path: one `_holders` lookup per block update, no call or object per event.
+        for position, event in enumerate(events):
+            kind = type(event)
+            if kind is BlockRemoved:
+                if event.medium != medium or event.group_idx != group:
+                    unknown += len(event.block_hashes)  # a table it holds nothing in
+                    continue
+                for block_hash in event.block_hashes:
+                    mask = holders_get(block_hash)
+                    if mask is None or not mask & bit:
+                        unknown += 1
+                    elif extras and block_hash in extras:
+                        count = extras[block_hash]
+                        if count == 2:
+                            del extras[block_hash]
+                        else:
+                            extras[block_hash] = count - 1
+                    elif mask == bit:
+                        del holders[block_hash]
+                    else:
+                        holders[block_hash] = mask ^ bit
+            elif kind is BlockStored:
+                if event.medium != medium or event.group_idx != group:
+                    if main is not None:
+                        self.num_unknown_removals += unknown
+                        return position  # a second table: the general layout from here
+                    medium, group = event.medium, event.group_idx
+                    main = self._main[instance_id] = (event.medium, event.group_idx)
+                for block_hash in event.block_hashes:
+                    mask = holders_get(block_hash)
+                    if mask is None:
+                        holders[block_hash] = bit
+                    elif not mask & bit:
+                        holders[block_hash] = mask | bit
+                    elif not idempotent:
+                        extras[block_hash] = extras.get(block_hash, 1) + 1
+            elif kind is AllBlocksCleared:
+                self.clear_instance(instance_id)
+                main = None
+                medium = group = ()
+        self.num_unknown_removals += unknown
+        return len(events)
+
+    def _make_general(self, instance_id: str, bit: int) -> None:
+        """Move a one-table instance to per-table copy counts (it stores in a second table)."""
+        main = self._main[instance_id]
+        extras = self._extras[instance_id]
+        table = {h: extras.get(h, 1) for h, mask in self._holders.items() if mask & bit}
+        self._copies[instance_id] = {} if main is None else {main: table}
+        extras.clear()
+        self._general.add(instance_id)
+
+    def _apply_general(self, instance_id: str, bit: int, events: Iterable[KVCacheEvent]) -> None:
         per_where = self._copies[instance_id]
         holders = self._holders
         holders_get = holders.get
@@ -184,15 +265,19 @@ class InMemoryPrefixIndex:
     def clear_instance(self, instance_id: str) -> None:
         bit = self._slot(instance_id)
         holders = self._holders
-        per_where = self._copies[instance_id]
-        for counts in per_where.values():
-            for block_hash in counts:
-                remaining = holders.get(block_hash, 0) & ~bit
-                if remaining:
-                    holders[block_hash] = remaining
-                else:
-                    holders.pop(block_hash, None)
-        per_where.clear()
+        if instance_id in self._general:
+            hashes: Iterable[Hashable] = {h for c in self._copies[instance_id].values() for h in c}
+            self._copies[instance_id].clear()  # in place: an apply loop may hold it
+        else:
+            hashes = [h for h, mask in holders.items() if mask & bit]
+        for block_hash in hashes:
+            remaining = holders[block_hash] & ~bit
+            if remaining:
+                holders[block_hash] = remaining
+            else:
+                del holders[block_hash]
+        self._extras[instance_id].clear()
+        self._main[instance_id] = None
 
     def claim(self) -> None:
         return None  # one process, one writer
@@ -243,7 +328,7 @@ class InMemoryPrefixIndex:
         for instance_id in lengths:
             tables = [
                 counts
-                for (medium, _), counts in self._copies.get(instance_id, {}).items()
+                for (medium, _), counts in self._tables(instance_id).items()
                 if medium in media
             ]
             depth = 0
@@ -262,20 +347,34 @@ class InMemoryPrefixIndex:
             if mask >> position & 1:
                 out[instance_id] = {
                     where: counts[block_hash]
-                    for where, counts in self._copies[instance_id].items()
+                    for where, counts in self._tables(instance_id).items()
                     if block_hash in counts
                 }
         return out
 
     def instance_contents(self, instance_id: str) -> dict[CacheKey, int]:
         out: dict[CacheKey, int] = {}
-        for (medium, group), counts in self._copies.get(instance_id, {}).items():
+        for (medium, group), counts in self._tables(instance_id).items():
             for block_hash, count in counts.items():
                 out[(medium, group, block_hash)] = count
         return out
 
     def instance_ids(self) -> list[str]:
-        return [i for i in self._ids if any(self._copies[i].values())]
+        return [i for i in self._ids if any(self._tables(i).values())]
+
+    def _tables(self, instance_id: str) -> dict[Where, dict[Hashable, int]]:
+        """(medium, group) -> hash -> copies, in either layout (a one-table instance's is
+        built by scanning `_holders`: for reads off the hot path)."""
+        bit = self._bit_of.get(instance_id)
+        if bit is None:
+            return {}
+        if instance_id in self._general:
+            return self._copies[instance_id]
+        main = self._main[instance_id]
+        if main is None:
+            return {}
+        extras = self._extras[instance_id]
+        return {main: {h: extras.get(h, 1) for h, mask in self._holders.items() if mask & bit}}
 
     @property
     def num_hashes(self) -> int:
@@ -287,9 +386,16 @@ class InMemoryPrefixIndex:
 
     def check_invariants(self) -> None:
         expected: dict[Hashable, int] = {}
-        for instance_id, per_where in self._copies.items():
-            bit = self._bit_of[instance_id]
-            for where, counts in per_where.items():
+        for instance_id, bit in self._bit_of.items():
+            extras = self._extras[instance_id]
+            if instance_id in self._general and extras:
+                raise InvariantViolation(f"general instance {instance_id} has one-table extras")
+            for block_hash, count in extras.items():
+                if count < 2 or not self._holders.get(block_hash, 0) & bit:
+                    raise InvariantViolation(
+                        f"{instance_id}: extra copies {count} of {block_hash!r}"
+                    )
+            for where, counts in self._tables(instance_id).items():
                 for block_hash, count in counts.items():
                     if count <= 0:
                         raise InvariantViolation(
