@@ -242,10 +242,7 @@ class BlockPool:
         policy = self.eviction_policy
         assert policy is not None
         null_block = self.null_block
-        policy.take_hits(blocks, null_block)
-        for block in blocks:
-            if block is not null_block:
-                block.ref_cnt += 1
+        policy.take_hits(blocks, null_block)  # it also adds the reference to each block
         collector = self.metrics_collector
         if collector is not None:
             for block in blocks:

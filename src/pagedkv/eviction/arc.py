@@ -60,7 +60,11 @@ class ARCPolicy(EvictionPolicy):
     ) -> None:
         # Hot path: one C-level set intersection finds the (usually no) ghost hits among the
         # new blocks; the others join T1 (a new block's `_in_t2` is already 0: victims and
-        # forgotten blocks reset it). The ghosts are trimmed once for the run.
+        # forgotten blocks reset it). The ghosts are trimmed once for the run. A decode step
+        # caches one block: the plain per-block rule is cheaper then.
+        if end - start == 1 and skipped_ids is None:
+            self.note_cached(blocks[start], None, 0)
+            return
         new_blocks = [
             block
             for block in blocks[start:end]
@@ -156,12 +160,14 @@ class ARCPolicy(EvictionPolicy):
                 if block.block_hash is None:
                     unhashed_remove(block)
                     num_unhashed += 1
+                    block.ref_cnt = 1
                     continue
                 (t2_remove if in_t2[block_id] else t1_remove)(block)
                 num_cached += 1
             if not in_t2[block_id]:
                 in_t2[block_id] = 1
                 num_promoted += 1
+            block.ref_cnt += 1
         self.num_t1_members -= num_promoted
         self.num_t2_members += num_promoted
         self.num_policy_blocks -= num_cached
@@ -169,6 +175,9 @@ class ARCPolicy(EvictionPolicy):
 
     def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
         """`_pop_victim` in batches: the victims of one list, while the rule keeps choosing it."""
+        if num_victims == 1:  # a decode step's new block: no batch to set up
+            out.append(self._pop_victim())
+            return
         t1, t2 = self._t1, self._t2
         b1, b2, in_t2 = self._b1, self._b2, self._in_t2
         num_left = num_victims

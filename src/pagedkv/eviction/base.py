@@ -185,8 +185,13 @@ class EvictionPolicy:
             )
 
     def take_hits(self, blocks: Sequence[KVCacheBlock], null_block: KVCacheBlock) -> None:
-        """Prefix hits are adopted (the pool then adds a reference to each): free ones leave
-        the free set, every one counts an access. The null block is skipped."""
+        """Prefix hits are adopted: free ones leave the free set, every one counts an access,
+        and each gets the pool's new reference (`ref_cnt += 1`) in the same pass. The null
+        block is skipped.
+
+        # Hot path: the pool's reference counting is done here, in the one loop over the hits,
+        # on the pool's behalf (`BlockPool.touch`), instead of in a second loop there.
+        """
         remove = self.remove
         on_hit_held = self.on_hit_held
         for block in blocks:
@@ -196,6 +201,7 @@ class EvictionPolicy:
                 remove(block)
             else:
                 on_hit_held(block)
+            block.ref_cnt += 1
 
     def on_hit_held(self, block: KVCacheBlock) -> None:
         """A block already held by a request is hit by another one."""

@@ -93,30 +93,31 @@ class CostPolicy(LFUPolicy):
         block_size: int,
         skipped_ids: set[int] | None,
     ) -> None:
-        # Hot path: `note_cached` inlined; the parent of each block is the one before it.
+        # Hot path: `note_cached` inlined. The parent of each block is the one before it; after
+        # the first, that parent was cached in this very run (same group, hashed), unless the
+        # run skipped blocks (null padding, blocks cached before), which takes the full check.
         counts, cost, child_key = self._access_count, self._cost, self._child_key
         parent_ids, parent_gens, gens = self._parent_id, self._parent_gen, self._gen
         tokens_per_cost = block_size / self.attention_crossover_tokens
-        parent = blocks[start - 1] if start else None
-        for index in range(start, end):
-            block = blocks[index]
-            if skipped_ids is not None and id(block) in skipped_ids:
-                parent = block
-                continue
-            block_id = block.block_id
+        if skipped_ids is not None:
+            end_token = (start + 1) * block_size
+            for index in range(start, end):
+                block = blocks[index]
+                if id(block) not in skipped_ids:
+                    self.note_cached(block, blocks[index - 1] if index else None, end_token)
+                end_token += block_size
+            return
+        first = blocks[start]
+        self.note_cached(first, blocks[start - 1] if start else None, (start + 1) * block_size)
+        parent_id = first.block_id
+        for index in range(start + 1, end):
+            block_id = blocks[index].block_id
             counts[block_id] = 1
             child_key[block_id] = 0
             cost[block_id] = 1.0 + (index + 1) * tokens_per_cost
-            if (
-                parent is None
-                or parent.block_hash is None
-                or parent.hash_group_id != block.hash_group_id
-            ):
-                parent_ids[block_id] = -1
-            else:
-                parent_ids[block_id] = parent.block_id
-                parent_gens[block_id] = gens[parent.block_id]
-            parent = block
+            parent_ids[block_id] = parent_id
+            parent_gens[block_id] = gens[parent_id]
+            parent_id = block_id
 
     def _insert_cached(self, block: KVCacheBlock) -> None:
         self._insert_many((block,))

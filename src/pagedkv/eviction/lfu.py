@@ -130,12 +130,14 @@ class LFUPolicy(EvictionPolicy):
                 if block.block_hash is None:
                     unhashed_remove(block)
                     num_unhashed += 1
+                    block.ref_cnt = 1
                     continue
                 ring[key_of[block_id] % ring_size].remove(block)
                 num_ring += 1
             count = counts[block_id]
             if count < MAX_ACCESS_COUNT:
                 counts[block_id] = count + 1
+            block.ref_cnt += 1
         self.num_ring_blocks -= num_ring
         self.num_policy_blocks -= num_ring
         self.num_free_blocks -= num_ring + num_unhashed

@@ -141,17 +141,22 @@ class S3FIFOPolicy(EvictionPolicy):
                 if block.block_hash is None:
                     unhashed_remove(block)
                     num_unhashed += 1
+                    block.ref_cnt = 1
                     continue
                 (main_remove if queue_of[block_id] == _MAIN else small_remove)(block)
                 num_cached += 1
             if hits[block_id] < MAX_HITS:
                 hits[block_id] += 1
+            block.ref_cnt += 1
         self.num_policy_blocks -= num_cached
         self.num_free_blocks -= num_cached + num_unhashed
 
     def _pop_victims(self, num_victims: int, out: list[KVCacheBlock]) -> None:
         """`_pop_victim` in batches: a run of S (or M) blocks is taken at once when no rule
         could change between them (the same victims, in the same order)."""
+        if num_victims == 1:  # a decode step's new block: no batch to set up
+            out.append(self._pop_victim())
+            return
         small, main = self._small, self._main
         hits, queue_of = self._hits, self._queue_of
         ghost, ghost_capacity = self._ghost, self.ghost_capacity
