@@ -27,7 +27,9 @@ ProgressCallback = Callable[[int], None]  # called with the number of requests d
 # Resident bytes per block of a pool with SHA-256 keys after two full turnovers (block, links,
 # hash and hash-map entry, the policy's per-block state and ghosts), measured with tracemalloc
 # (100k-block pools) and rounded up; the oracle's bytes per block use include the key lists it
-# keeps. Used to refuse a sweep that would not fit in memory, before building it.
+# keeps. The full conversation trace at block size 16, all six policies at 1M-16M tokens,
+# estimates 5.2 GiB and ran at about 4.8 GiB resident. Used to refuse a sweep that would not
+# fit in memory, before building it.
 BYTES_PER_BLOCK = {"lru": 320, "lfu": 330, "s3fifo": 580, "arc": 320, "cost": 400, "belady": 380}
 ORACLE_BYTES_PER_USE = 120
 
