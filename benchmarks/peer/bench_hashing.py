@@ -84,13 +84,9 @@ def vllm_impl(block_size: int) -> dict:
     hasher = get_request_block_hasher(block_size, hash_fn)
 
     def build(tokens: list[int], block_hasher) -> Request:
-        return Request(
-            request_id="r",
-            prompt_token_ids=tokens,
-            sampling_params=SamplingParams(max_tokens=1 << 20),
-            pooling_params=None,
-            block_hasher=block_hasher,
-        )
+        return Request(request_id="r", prompt_token_ids=tokens,
+                       sampling_params=SamplingParams(max_tokens=1 << 20), pooling_params=None,
+                       block_hasher=block_hasher)
 
     timers = _timers(build, hasher, block_size)
     timers["admit"] = timers["prompt"]  # vLLM's constructor makes exactly this call
@@ -182,20 +178,9 @@ def run_child(python: str, impl: str, args: argparse.Namespace) -> dict:
     if impl == "pagedkv":
         src = str(REPO / "src")
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [
-        python,
-        str(Path(__file__).resolve()),
-        "--child",
-        impl,
-        "--num-tokens",
-        str(args.num_tokens),
-        "--block-sizes",
-        args.block_sizes,
-        "--repeats",
-        str(args.repeats),
-        "--seed",
-        str(args.seed),
-    ]
+    cmd = [python, str(Path(__file__).resolve()), "--child", impl,
+           "--num-tokens", str(args.num_tokens), "--block-sizes", args.block_sizes,
+           "--repeats", str(args.repeats), "--seed", str(args.seed)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
@@ -204,63 +189,40 @@ def run_child(python: str, impl: str, args: argparse.Namespace) -> dict:
 
 def runner(args: argparse.Namespace) -> int:
     if not Path(args.vllm_python).exists():
-        raise SystemExit(
-            f"no peer venv python at {args.vllm_python}: build it with "
-            "bash benchmarks/peer/vllm/setup_venv.sh DIR, then pass "
-            "--vllm-python DIR/bin/python"
-        )
+        raise SystemExit(f"no peer venv python at {args.vllm_python}: build it with "
+                         "bash benchmarks/peer/vllm/setup_venv.sh DIR, then pass "
+                         "--vllm-python DIR/bin/python")
     results: dict[str, list[dict]] = {"vllm": [], "pagedkv": []}
     pythons = {"vllm": args.vllm_python, "pagedkv": args.pagedkv_python}
     load_start = os.getloadavg()
     for rnd in range(args.rounds):
-        for impl in ("vllm", "pagedkv") if rnd % 2 == 0 else ("pagedkv", "vllm"):
+        for impl in (("vllm", "pagedkv") if rnd % 2 == 0 else ("pagedkv", "vllm")):
             print(f"[round {rnd + 1}/{args.rounds}] {impl}", file=sys.stderr, flush=True)
             results[impl].append(run_child(pythons[impl], impl, args))
     table = {}
-    print(
-        f"\nsha256 prefix-cache hashing, {args.num_tokens} tokens, tokens/s (millions), "
-        f"median over {args.rounds} processes of the best of {args.repeats} repeats"
-    )
-    print(
-        f"{'block':>6} {'mode':>7} {'vLLM':>9} {'pagedkv':>9} {'floor':>9} "
-        f"{'pagedkv/vLLM':>13} {'floor/pagedkv':>14} {'floor/vLLM':>11}"
-    )
+    print(f"\nsha256 prefix-cache hashing, {args.num_tokens} tokens, tokens/s (millions), "
+          f"median over {args.rounds} processes of the best of {args.repeats} repeats")
+    print(f"{'block':>6} {'mode':>7} {'vLLM':>9} {'pagedkv':>9} {'floor':>9} "
+          f"{'pagedkv/vLLM':>13} {'floor/pagedkv':>14} {'floor/vLLM':>11}")
     for block_size in args.block_sizes.split(","):
-
         def med(impl: str, key: str, bs: str = block_size) -> float:
             return statistics.median(r["block_sizes"][bs][key] for r in results[impl])
 
         # The floor from both processes (same interpreter build): one number for the table.
         floor = statistics.median(
-            [
-                r["block_sizes"][block_size]["floor_tokens_per_s"]
-                for rs in results.values()
-                for r in rs
-            ]
-        )
+            [r["block_sizes"][block_size]["floor_tokens_per_s"] for rs in results.values()
+             for r in rs])
         for mode in ("prompt", "admit", "append"):
             v, p = med("vllm", f"{mode}_tokens_per_s"), med("pagedkv", f"{mode}_tokens_per_s")
-            row = {
-                "vllm_tokens_per_s": v,
-                "pagedkv_tokens_per_s": p,
-                "floor_tokens_per_s": floor,
-                "pagedkv_over_vllm": p / v,
-                "floor_over_pagedkv": floor / p,
-                "floor_over_vllm": floor / v,
-            }
+            row = {"vllm_tokens_per_s": v, "pagedkv_tokens_per_s": p, "floor_tokens_per_s": floor,
+                   "pagedkv_over_vllm": p / v, "floor_over_pagedkv": floor / p,
+                   "floor_over_vllm": floor / v}
             table[f"{block_size}/{mode}"] = row
-            print(
-                f"{block_size:>6} {mode:>7} {v / 1e6:>9.2f} {p / 1e6:>9.2f} {floor / 1e6:>9.2f} "
-                f"{p / v:>13.2f} {floor / p:>14.2f} {floor / v:>11.2f}"
-            )
-    record = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "loadavg_start": load_start,
-        "loadavg_end": os.getloadavg(),
-        "cpu_count": os.cpu_count(),
-        "table": table,
-        "runs": results,
-    }
+            print(f"{block_size:>6} {mode:>7} {v / 1e6:>9.2f} {p / 1e6:>9.2f} {floor / 1e6:>9.2f} "
+                  f"{p / v:>13.2f} {floor / p:>14.2f} {floor / v:>11.2f}")
+    record = {"command": " ".join([sys.executable, *sys.argv]), "loadavg_start": load_start,
+              "loadavg_end": os.getloadavg(), "cpu_count": os.cpu_count(), "table": table,
+              "runs": results}
     started = time.strftime("%Y%m%d-%H%M%S")
     default_out = REPO / "benchmarks" / "results" / f"peer_hashing_{started}.json"
     out = Path(args.out) if args.out else default_out
