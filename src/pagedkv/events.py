@@ -30,6 +30,9 @@ class BlockStored:
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     session_id: str | None = None
+    # Retention priority of each block (pagedkv.retention; None unless the pool honours
+    # retention hints). In process only: the reference's wire schema has no such field.
+    retention_priorities: list[int] | None = None
 
 
 @dataclass(slots=True)

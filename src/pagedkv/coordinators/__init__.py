@@ -15,6 +15,7 @@ from pagedkv.coordinators.base import (
     UnitaryKVCacheCoordinator,
 )
 from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator, SpecBucket
+from pagedkv.eviction import EvictionConfig
 from pagedkv.specs import KVCacheConfig
 
 
@@ -27,6 +28,7 @@ def make_coordinator(
     max_in_flight_tokens: int | None = None,
     metrics_collector: BlockResidencyObserver | None = None,
     scheduler_block_size: int | None = None,
+    eviction: EvictionConfig | None = None,
 ) -> KVCacheCoordinator:
     """Pick the coordinator once: no caching, one group, or a hybrid of several groups."""
     args = (
@@ -40,11 +42,13 @@ def make_coordinator(
     )
     num_groups = len(kv_cache_config.kv_cache_groups)
     if not enable_caching or num_groups == 0:
-        return KVCacheCoordinatorNoPrefixCache(*args)
+        return KVCacheCoordinatorNoPrefixCache(*args, eviction=eviction)
     if num_groups == 1:
-        return UnitaryKVCacheCoordinator(*args)
+        return UnitaryKVCacheCoordinator(*args, eviction=eviction)
 
-    return HybridKVCacheCoordinator(*args, scheduler_block_size=scheduler_block_size)
+    return HybridKVCacheCoordinator(
+        *args, scheduler_block_size=scheduler_block_size, eviction=eviction
+    )
 
 
 __all__ = [

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockPool, BlockResidencyObserver
 from pagedkv.errors import ConfigError, InvariantViolation
+from pagedkv.eviction import EvictionConfig
 from pagedkv.managers import SingleTypeKVCacheManager, manager_class_for
 from pagedkv.specs import CrossAttentionSpec, KVCacheConfig
 
@@ -36,6 +37,7 @@ class KVCacheCoordinator:
         max_in_flight_tokens: int | None = None,
         metrics_collector: BlockResidencyObserver | None = None,
         alignment_tokens: int | None = None,
+        eviction: EvictionConfig | None = None,
     ) -> None:
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
@@ -49,6 +51,7 @@ class KVCacheCoordinator:
             num_kv_cache_groups=max(len(groups), 1),
             enable_kv_cache_events=enable_kv_cache_events,
             metrics_collector=metrics_collector,
+            eviction=eviction,
         )
         in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
         managers = []

@@ -16,6 +16,7 @@ from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockResidencyObserver
 from pagedkv.coordinators.base import KVCacheCoordinator
 from pagedkv.errors import ConfigError, InvariantViolation
+from pagedkv.eviction import EvictionConfig
 from pagedkv.managers import FullAttentionManager, MambaManager, SingleTypeKVCacheManager
 from pagedkv.specs import CrossAttentionSpec, KVCacheConfig, KVCacheSpec
 
@@ -55,6 +56,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         max_in_flight_tokens: int | None = None,
         metrics_collector: BlockResidencyObserver | None = None,
         scheduler_block_size: int | None = None,
+        eviction: EvictionConfig | None = None,
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if enable_caching:
@@ -86,6 +88,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             max_in_flight_tokens,
             metrics_collector,
             alignment_tokens=self.scheduler_block_size,
+            eviction=eviction,
         )
         self.spec_buckets = self._make_buckets()
 
