@@ -12,7 +12,8 @@ import time
 import warnings
 from typing import Any
 
-from pagedkv.cli import _cluster
+from pagedkv.cli import _checks, _cluster
+from pagedkv.cli._checks import float_in, int_at_least
 
 COMMAND = "simulate"
 HELP = "Simulate a request trace: prefix-cache hit rate, memory, preemptions, latency."
@@ -37,13 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument(
         "--num-requests",
-        type=int,
+        type=int_at_least(1),
         metavar="N",
         help="use the first N requests of the trace (workloads: generate N, default 400)",
     )
     source.add_argument(
         "--rate",
-        type=float,
+        type=float_in(0, open_minimum=True),
         default=2.0,
         metavar="PER_S",
         help="workloads: request (or session) arrival rate (default 2)",
@@ -64,7 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve: time-stepped serving with the scheduler (default); replay: "
         "cache-capacity study, one request at a time",
     )
-    sim.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    sim.add_argument(
+        "--block-size", type=int_at_least(1), default=16, help="tokens per block (default 16)"
+    )
     sim.add_argument(
         "--capacity",
         metavar="LIST",
@@ -111,24 +114,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--time-scale",
-        type=float,
+        type=float_in(0, open_minimum=True),
         default=1.0,
         help="multiply arrival times (0.5 = twice the request rate; default 1)",
     )
     serve.add_argument(
         "--max-model-len",
-        type=int,
+        type=int_at_least(1),
         metavar="TOKENS",
         help="longest request (default: the profile's, capped by capacity)",
     )
     serve.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=int_at_least(1),
         default=8192,
         help="token budget per step (default 8192)",
     )
     serve.add_argument(
-        "--max-num-seqs", type=int, default=256, help="requests per step (default 256)"
+        "--max-num-seqs", type=int_at_least(1), default=256, help="requests per step (default 256)"
     )
     serve.add_argument(
         "--policy",
@@ -138,13 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--watermark",
-        type=float,
+        type=float_in(0, 1),
         default=0.0,
         help="fraction of blocks kept free from new admissions (default 0)",
     )
     serve.add_argument(
         "--long-prefill-token-threshold",
-        type=int,
+        type=int_at_least(0),
         default=0,
         metavar="TOKENS",
         help="cap prompt tokens per request per step (default 0: no cap)",
@@ -167,9 +170,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     output.add_argument(
         "--plot",
-        metavar="PNG",
-        help="write a plot (needs matplotlib): hit rate vs capacity (replay), "
-        "usage and queues over time (serve)",
+        metavar="FILE",
+        help="write a plot (needs matplotlib; the extension picks the format: .png, .svg, "
+        ".pdf...): hit rate vs capacity (replay), usage and queues over time (serve)",
     )
     output.add_argument("--no-progress", action="store_true", help="never show a progress bar")
     _cluster.add_arguments(parser)
@@ -194,8 +197,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.list_profiles:
         _print_profiles(cost_model)
         return 0
-    if args.block_size < 1:
-        raise _error(f"--block-size must be >= 1, got {args.block_size}")
     if args.mode == "replay" and (args.profile or args.cost):
         raise _error("--profile and --cost apply to --mode serve only")
     if args.memory and not args.model:
@@ -209,7 +210,9 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.model and _cluster.wanted(args):
         raise _error("--model is not supported with a cluster (--instances) yet")
+    _preflight(args, cost_model)
     trace = _load(args)
+    _check_trace(args, trace)
     show_progress = not (args.json or args.no_progress) and sys.stderr.isatty()
     if _cluster.wanted(args):
         config, profile_name = _serve_config(args, cost_model)
@@ -233,6 +236,57 @@ def _run(args: argparse.Namespace) -> int:
         plot(args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _preflight(args: argparse.Namespace, cost_model: Any) -> None:
+    """Every check that needs no trace, before loading one: extras, output files, memory."""
+    from pagedkv.host_memory import BYTES_PER_WORKLOAD_REQUEST, check_fits
+    from pagedkv.sim.replay import parse_capacities
+
+    _checks.check_hash_algorithm(args.hash_algorithm)
+    if args.plot:
+        if _cluster.wanted(args):
+            raise _error("--plot is not available with --instances/--metrics-port")
+        args.plot = str(_checks.check_plot_file(args.plot))
+    if args.profile:
+        cost_model.get_profile(args.profile)
+    if args.cost:
+        cost_model.parse_cost_overrides(args.cost)
+    if _cluster.wanted(args):
+        _cluster.preflight(args)
+    if args.capacity:
+        capacities = parse_capacities(args.capacity, args.block_size)
+        num_blocks = sum(capacity + 1 for capacity in capacities if capacity is not None)
+        if _cluster.wanted(args):
+            num_blocks *= args.instances or 1
+        _checks.check_pools_fit(f"--capacity {args.capacity}", num_blocks)
+    if args.workload:
+        num_requests = args.num_requests or 400
+        check_fits(
+            f"--workload {args.workload} --num-requests {num_requests:,}",
+            num_requests * BYTES_PER_WORKLOAD_REQUEST,
+        )
+
+
+def _check_trace(args: argparse.Namespace, trace: Any) -> None:
+    """Checks that need the trace: scaled arrival times stay exact; replay prompts fit."""
+    from pagedkv.host_memory import BYTES_PER_PROMPT_TOKEN, check_fits
+    from pagedkv.sim.traces import MAX_TIMESTAMP_MS
+
+    last_arrival_s = max((r.arrival_time_s for r in trace.requests), default=0.0)
+    max_s = MAX_TIMESTAMP_MS / 1000
+    if args.mode == "serve" and last_arrival_s * args.time_scale > max_s:
+        raise _error(
+            f"the last request arrives at {last_arrival_s * args.time_scale:.3g} s (time scale "
+            f"{args.time_scale:g}); simulated times stay exact up to {max_s:.0e} s: lower "
+            "--time-scale" + (" or raise --rate" if args.workload else "")
+        )
+    if args.mode == "replay":
+        longest = max(trace.requests, key=lambda r: r.num_prompt_tokens)
+        check_fits(
+            f"replaying request {longest.request_id} ({longest.num_prompt_tokens:,} prompt tokens)",
+            longest.num_prompt_tokens * BYTES_PER_PROMPT_TOKEN,
+        )
 
 
 def _error(message: str) -> Exception:
