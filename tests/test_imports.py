@@ -90,7 +90,17 @@ ABOVE_LEAVES = {
     "sim",
     "cli",
 }
-LEAVES = {"errors", "host_memory", "block", "specs", "stats", "events", "free_queue", "hashing", "request"}
+LEAVES = {
+    "errors",
+    "host_memory",
+    "block",
+    "specs",
+    "stats",
+    "events",
+    "free_queue",
+    "hashing",
+    "request",
+}
 
 STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 

@@ -57,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # a usage error (printed already), --help or --version
+        return exc.code if isinstance(exc.code, int) else 2
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

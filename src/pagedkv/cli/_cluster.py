@@ -130,7 +130,9 @@ def run(
     serve_config: Any,
     profile_name: str | None,
     make_progress: Any,
+    should_stop: Any = None,
 ) -> int:
+    """Run the cluster simulation and print its report; 130 if `should_stop()` cut it short."""
     from pagedkv.sim.cluster import ClusterConfig, simulate_cluster
     from pagedkv.sim.report import serve_report
     from pagedkv.sim.serve import ServeResult
@@ -154,7 +156,9 @@ def run(
     progress = make_progress(len(trace.requests) * len(policies), "serving (cluster)")
     start = time.perf_counter()
     try:
-        summaries = simulate_cluster(trace, config, policies, metrics, _Offset(progress))
+        summaries = simulate_cluster(
+            trace, config, policies, metrics, _Offset(progress), should_stop
+        )
     finally:
         progress.close()
     wall_s = time.perf_counter() - start
@@ -182,7 +186,7 @@ def run(
     finally:
         if server is not None:
             server.shutdown()
-    return 0
+    return 130 if any(summary.get("interrupted") for summary in summaries) else 0
 
 
 class _Offset:
@@ -200,6 +204,11 @@ class _Offset:
         self.progress(self.base + num_done)
 
 
+def _seconds(value: float | None, width: int, digits: int) -> str:
+    """A latency cell: `0.070s`, or `n/a` when no request finished."""
+    return f"{'n/a':>{width + 1}}" if value is None else f"{value:>{width}.{digits}f}s"
+
+
 def render_text(report: dict[str, Any], wall_s: float) -> str:
     trace, config = report["trace"], report["config"]
     lines = [
@@ -207,24 +216,37 @@ def render_text(report: dict[str, Any], wall_s: float) -> str:
         f"{config['instances']} instances x {config['num_blocks']:,} blocks, events over "
         f"{config['event_transport']} ZeroMQ",
         "",
-        f"{'router':<14}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'e2e p50':>10}"
-        f"{'req/s':>8}  {'requests per instance':<24}{'max/mean busy':>14}",
+        f"{'router':<14}{'completed':>10}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p99':>11}"
+        f"{'e2e p50':>10}{'req/s':>8}  {'requests per instance':<24}{'max/mean busy':>14}",
     ]
     for result in report["results"]:
         balance = result["load_balance"]
         per_instance = ",".join(str(n) for n in balance["requests_per_instance"])
         lines.append(
             f"{result['router']:<14}"
+            f"{result['num_requests_completed']:>10,}"
             f"{100 * result['prefix_cache']['hit_rate']:>9.2f}%"
-            f"{result['ttft_s']['p50']:>10.3f}s"
-            f"{result['ttft_s']['p99']:>10.3f}s"
-            f"{result['e2e_latency_s']['p50']:>9.2f}s"
+            f"{_seconds(result['ttft_s']['p50'], 10, 3)}"
+            f"{_seconds(result['ttft_s']['p99'], 10, 3)}"
+            f"{_seconds(result['e2e_latency_s']['p50'], 9, 2)}"
             f"{result['throughput']['requests_per_s']:>8.2f}  "
             f"{per_instance:<24}{balance['busy_time_max_over_mean']:>14.2f}"
         )
     consistent = all(r["routing"]["index_matches_pools"] for r in report["results"])
+    lines.append("")
+    for result in report["results"]:
+        if result["num_requests_rejected"]:
+            lines.append(
+                f"{result['router']}: {result['num_requests_rejected']:,} requests rejected "
+                f"(prompt >= max_model_len {config['max_model_len']:,})"
+            )
+        if result.get("interrupted"):
+            lines.append(
+                f"{result['router']}: INTERRUPTED (Ctrl-C) with "
+                f"{result['num_requests_unfinished']:,} requests unfinished; its figures cover "
+                "what was measured until then, and the routers after it did not run"
+            )
     lines += [
-        "",
         "hit rate: prefix-cache token hit rate over all instances; busy: simulated step time",
         f"router index equals every instance's cache at the end: {'yes' if consistent else 'NO'}",
         f"simulator speed: {wall_s:.1f} s wall",

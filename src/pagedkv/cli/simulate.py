@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedkv.cli import _checks, _cluster
 from pagedkv.cli._checks import float_in, int_at_least
+from pagedkv.cli._interrupt import StopOnCtrlC
 
 COMMAND = "simulate"
 HELP = "Simulate a request trace: prefix-cache hit rate, memory, preemptions, latency."
@@ -210,19 +211,28 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.model and _cluster.wanted(args):
         raise _error("--model is not supported with a cluster (--instances) yet")
-    _preflight(args, cost_model)
+    _checks.check_simulate_args(args, cost_model, cluster=_cluster.wanted(args))
+    if _cluster.wanted(args):
+        _cluster.preflight(args)
     trace = _load(args)
-    _check_trace(args, trace)
+    _checks.check_simulate_trace(args, trace)
     show_progress = not (args.json or args.no_progress) and sys.stderr.isatty()
     if _cluster.wanted(args):
         config, profile_name = _serve_config(args, cost_model)
-        return _cluster.run(
-            args, trace, config, profile_name, lambda n, label: _Progress(n, label, show_progress)
-        )
+        with StopOnCtrlC() as stop:
+            return _cluster.run(
+                args,
+                trace,
+                config,
+                profile_name,
+                lambda n, label: _Progress(n, label, show_progress),
+                stop,
+            )
     if args.mode == "replay":
         the_report, speed, plot = _replay(args, trace, show_progress)
     else:
-        the_report, speed, plot = _serve(args, trace, cost_model, show_progress)
+        with StopOnCtrlC() as stop:
+            the_report, speed, plot = _serve(args, trace, cost_model, show_progress, stop)
     if args.json:
         sys.stdout.write(report.to_json(the_report))
         print(
@@ -235,58 +245,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
-
-
-def _preflight(args: argparse.Namespace, cost_model: Any) -> None:
-    """Every check that needs no trace, before loading one: extras, output files, memory."""
-    from pagedkv.host_memory import BYTES_PER_WORKLOAD_REQUEST, check_fits
-    from pagedkv.sim.replay import parse_capacities
-
-    _checks.check_hash_algorithm(args.hash_algorithm)
-    if args.plot:
-        if _cluster.wanted(args):
-            raise _error("--plot is not available with --instances/--metrics-port")
-        args.plot = str(_checks.check_plot_file(args.plot))
-    if args.profile:
-        cost_model.get_profile(args.profile)
-    if args.cost:
-        cost_model.parse_cost_overrides(args.cost)
-    if _cluster.wanted(args):
-        _cluster.preflight(args)
-    if args.capacity:
-        capacities = parse_capacities(args.capacity, args.block_size)
-        num_blocks = sum(capacity + 1 for capacity in capacities if capacity is not None)
-        if _cluster.wanted(args):
-            num_blocks *= args.instances or 1
-        _checks.check_pools_fit(f"--capacity {args.capacity}", num_blocks)
-    if args.workload:
-        num_requests = args.num_requests or 400
-        check_fits(
-            f"--workload {args.workload} --num-requests {num_requests:,}",
-            num_requests * BYTES_PER_WORKLOAD_REQUEST,
-        )
-
-
-def _check_trace(args: argparse.Namespace, trace: Any) -> None:
-    """Checks that need the trace: scaled arrival times stay exact; replay prompts fit."""
-    from pagedkv.host_memory import BYTES_PER_PROMPT_TOKEN, check_fits
-    from pagedkv.sim.traces import MAX_TIMESTAMP_MS
-
-    last_arrival_s = max((r.arrival_time_s for r in trace.requests), default=0.0)
-    max_s = MAX_TIMESTAMP_MS / 1000
-    if args.mode == "serve" and last_arrival_s * args.time_scale > max_s:
-        raise _error(
-            f"the last request arrives at {last_arrival_s * args.time_scale:.3g} s (time scale "
-            f"{args.time_scale:g}); simulated times stay exact up to {max_s:.0e} s: lower "
-            "--time-scale" + (" or raise --rate" if args.workload else "")
-        )
-    if args.mode == "replay":
-        longest = max(trace.requests, key=lambda r: r.num_prompt_tokens)
-        check_fits(
-            f"replaying request {longest.request_id} ({longest.num_prompt_tokens:,} prompt tokens)",
-            longest.num_prompt_tokens * BYTES_PER_PROMPT_TOKEN,
-        )
+    interrupted = args.mode == "serve" and the_report["results"].get("interrupted", False)
+    return 130 if interrupted else 0
 
 
 def _error(message: str) -> Exception:
@@ -368,7 +328,9 @@ def _replay(args: argparse.Namespace, trace: Any, show_progress: bool) -> tuple:
     return the_report, speed, plot
 
 
-def _serve(args: argparse.Namespace, trace: Any, cost_model: Any, show_progress: bool) -> tuple:
+def _serve(
+    args: argparse.Namespace, trace: Any, cost_model: Any, show_progress: bool, stop: Any
+) -> tuple:
     from pagedkv.sim.report import Speed, serve_report
     from pagedkv.sim.serve import simulate_serving
 
@@ -376,7 +338,7 @@ def _serve(args: argparse.Namespace, trace: Any, cost_model: Any, show_progress:
     progress = _Progress(len(trace.requests), "serving", show_progress)
     start = time.perf_counter()
     try:
-        result = simulate_serving(trace, config, progress)
+        result = simulate_serving(trace, config, progress, stop)
     finally:
         progress.close()
     wall_s = time.perf_counter() - start
