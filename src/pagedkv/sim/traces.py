@@ -367,7 +367,7 @@ def load_trace(path: str | Path, limit: int | None = None, name: str | None = No
     source = str(path)
     parser = _LineParser(source)
     requests: list[TraceRequest] = []
-    budget = MemoryBudget(f"the requests of {source}")
+    budget = MemoryBudget(f"loading {source}")
     available_bytes = available_memory_bytes()
     max_line_bytes = (
         None if available_bytes is None else available_bytes // _PARSE_BYTES_PER_LINE_BYTE
