@@ -10,6 +10,13 @@ import copy
 from collections.abc import Sequence
 
 import pytest
+from strict_setup import (  # noqa: F401 - pytest hooks of `make test`
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+    pytest_terminal_summary,
+)
 
 from pagedkv import (
     FullAttentionSpec,
