@@ -17,11 +17,11 @@ simulate: $(VENV)/.pagedkv-sim
 	$(VENV)/bin/pagedkv simulate $(ARGS)
 
 # PAGEDKV_REQUIRE_TEST_DEPS: a test that would skip because something this command provides is
-# missing (an extra's package, redis-server) fails instead (tests/conftest.py).
+# missing (an extra's package, redis-server) fails instead (tests/strict_setup.py).
 test: $(VENV)/.pagedkv-dev
-	scripts/setup.sh redis
+	@scripts/setup.sh redis
 	PAGEDKV_REQUIRE_TEST_DEPS=1 $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 	@# vLLM's own test suites against the drop-in (issue 10) are run from here, after ours.
 
 $(VENV)/.pagedkv-%: pyproject.toml scripts/setup.sh
-	PYTHON="$(PYTHON)" scripts/setup.sh venv "$(VENV)" "$*"
+	@PYTHON="$(PYTHON)" scripts/setup.sh venv "$(VENV)" "$*"

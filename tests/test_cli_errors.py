@@ -132,6 +132,30 @@ def test_plot_format_follows_the_extension_and_the_report_names_the_file(capsys,
     assert b"<svg" in svg.read_bytes()[:500]
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--profile", "nope"], "unknown profile 'nope'; choose one of ["),
+        (["--cost", "foo=1"], "unknown cost coefficient(s) ['foo']; known: ["),
+        (
+            [
+                "--cost",
+                "step_overhead_s=0,prefill_token_s=0,decode_seq_s=0,kv_token_read_s=0,"
+                "prefill_attention_pair_s=0",
+            ],
+            "every coefficient is 0, so steps would take no simulated time",
+        ),
+        (["--capacity", "0.5"], "capacity '0.5' is less than one block of 16 tokens"),
+        (["--mode", "replay", "--profile", "llama3.1-8b-h100"], "apply to --mode serve only"),
+    ],
+)
+def test_inconsistent_arguments_are_refused_before_the_trace_is_read(capsys, args, message):
+    code, out, err = run_cli(capsys, "simulate", "--trace", "/no/trace.jsonl", *args)
+    assert code == 2 and out == ""
+    line = one_error_line(err)
+    assert line.startswith("pagedkv simulate: error: ") and message in line
+
+
 # ---------------------------------------------------------------------------- missing extras
 
 

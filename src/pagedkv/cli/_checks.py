@@ -12,6 +12,7 @@ import importlib.util
 import math
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -158,10 +159,14 @@ def check_simulate_args(args: argparse.Namespace, cost_model: Any, *, cluster: b
         if cluster:
             raise InvalidArgumentError("--plot is not available with --instances/--metrics-port")
         args.plot = str(check_plot_file(args.plot))
-    if args.profile:
-        cost_model.get_profile(args.profile)
+    profile = cost_model.get_profile(args.profile or cost_model.DEFAULT_PROFILE)
     if args.cost:
-        cost_model.parse_cost_overrides(args.cost)
+        model = profile.cost_model().with_overrides(cost_model.parse_cost_overrides(args.cost))
+        if not any(asdict(model).values()):
+            raise InvalidArgumentError(
+                f"--cost {args.cost}: every coefficient is 0, so steps would take no simulated "
+                "time (every latency 0, throughput infinite)"
+            )
     if args.capacity:
         capacities = parse_capacities(args.capacity, args.block_size)
         num_blocks = sum(capacity + 1 for capacity in capacities if capacity is not None)
