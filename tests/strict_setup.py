@@ -2,7 +2,7 @@
 installs may be missing, so a skip for lack of it is a failure.
 
 `make test` sets PAGEDKV_REQUIRE_TEST_DEPS=1. A test that skips because a Python package cannot
-be imported (`pytest.importorskip`) or because `redis-server` is not installed then fails,
+be imported (`pytest.importorskip`) or something "is not installed" (redis-server) then fails,
 naming what is missing; a module that skips so at import fails the run (exit status 1, listed
 in the summary). Other skips (no GPU, say) stay skips.
 """
@@ -13,7 +13,8 @@ import os
 
 import pytest
 
-SETUP_SKIP_REASONS = ("could not import", "redis-server is not installed")
+# `pytest.importorskip`, and our helpers' "redis-server is not installed", "triton is not ...".
+SETUP_SKIP_REASONS = ("could not import", "is not installed")
 _HINT = "PAGEDKV_REQUIRE_TEST_DEPS=1 (`make test`): what the test command installs must be there"
 _skipped_modules: list[str] = []
 

@@ -77,8 +77,8 @@ def test_only_pools_past_the_threshold_read_the_machine_and_those_that_fit_are_b
 def test_unknown_availability_lets_everything_through(monkeypatch):
     monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: None)
     check_fits("anything", 10**18)
-    budget = MemoryBudget("a trace")
-    budget.add(10**18, "line 1")
+    budget = MemoryBudget("a trace", "line")
+    budget.add(10**18, 1)
     assert budget.num_bytes == 10**18
 
 
@@ -99,14 +99,14 @@ def test_memory_budget_reads_the_machine_once_and_refuses_past_it(monkeypatch):
         return host_memory.MIN_CHECKED_BYTES * 3
 
     monkeypatch.setattr(host_memory, "available_memory_bytes", available)
-    budget = MemoryBudget("the requests of t.jsonl")
-    budget.add(host_memory.MIN_CHECKED_BYTES - 1, "line 1")
+    budget = MemoryBudget("loading t.jsonl", "line")
+    budget.add(host_memory.MIN_CHECKED_BYTES - 1, 1)
     assert reads == []  # below the threshold: no read
-    budget.add(host_memory.MIN_CHECKED_BYTES, "line 2")
-    budget.add(host_memory.MIN_CHECKED_BYTES, "line 3")
+    budget.add(host_memory.MIN_CHECKED_BYTES, 2)
+    budget.add(host_memory.MIN_CHECKED_BYTES, 3)
     assert reads == [1]
-    with pytest.raises(HostMemoryError, match=r"the requests of t\.jsonl \(up to line 4\)"):
-        budget.add(2, "line 4")
+    with pytest.raises(HostMemoryError, match=r"^loading t\.jsonl \(up to line 4\) needs"):
+        budget.add(2, 4)
     assert reads == [1]
 
 

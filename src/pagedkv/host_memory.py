@@ -125,14 +125,16 @@ class MemoryBudget:
     """A running estimate of what a loader has built so far, refused once it passes what was
     available when the estimate first reached `MIN_CHECKED_BYTES` (read once, then)."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, position_name: str) -> None:
         self.what = what
+        self.position_name = position_name  # what `add`'s positions count: "line", "request"
         self.num_bytes = 0
         self.available_bytes: int | None = None
         self._checked = False
 
-    def add(self, num_bytes: int, where: str) -> None:
-        """Count `num_bytes` more; raise `HostMemoryError` (naming `where`) once they cannot fit."""
+    def add(self, num_bytes: int, position: int) -> None:
+        """Count `num_bytes` more, built for `position`; raise `HostMemoryError` (naming it)
+        once the total cannot fit."""
         self.num_bytes += num_bytes
         if self.num_bytes < MIN_CHECKED_BYTES:
             return
@@ -140,4 +142,5 @@ class MemoryBudget:
             self.available_bytes = available_memory_bytes()
             self._checked = True
         if self.available_bytes is not None and self.num_bytes > self.available_bytes:
-            raise _refusal(f"{self.what} (up to {where})", self.num_bytes, self.available_bytes)
+            where = f"{self.what} (up to {self.position_name} {position})"
+            raise _refusal(where, self.num_bytes, self.available_bytes)

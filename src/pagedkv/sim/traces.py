@@ -7,8 +7,10 @@ Knows nothing of the scheduler or the manager.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -367,15 +369,17 @@ def load_trace(path: str | Path, limit: int | None = None, name: str | None = No
     source = str(path)
     parser = _LineParser(source)
     requests: list[TraceRequest] = []
-    budget = MemoryBudget(f"loading {source}")
+    budget = MemoryBudget(f"loading {source}", "line")
     available_bytes = available_memory_bytes()
     max_line_bytes = (
         None if available_bytes is None else available_bytes // _PARSE_BYTES_PER_LINE_BYTE
     )
-    with path.open("rb") as lines:
-        line_number = 0
-        while raw := lines.readline(-1 if max_line_bytes is None else max_line_bytes + 1):
-            line_number += 1
+    with path.open("rb") as file:
+        lines: Iterable[bytes] = file
+        if max_line_bytes is not None and os.fstat(file.fileno()).st_size > max_line_bytes:
+            # Hot path: only a file bigger than a line may be cut into bounded reads.
+            lines = iter(functools.partial(file.readline, max_line_bytes + 1), b"")
+        for line_number, raw in enumerate(lines, start=1):
             if max_line_bytes is not None and len(raw) > max_line_bytes:
                 raise _line_too_long(source, line_number, max_line_bytes, available_bytes)
             text = _decode(source, line_number, raw)
@@ -389,7 +393,7 @@ def load_trace(path: str | Path, limit: int | None = None, name: str | None = No
                 + _KEPT_BYTES_PER_RUN * len(request.prompt_runs)
                 + _KEPT_BYTES_PER_TOKEN_ID * len(request.explicit_prompt or ())
                 + _KEPT_BYTES_PER_BLOCK_ID * (len(parser.id_to_dense) - num_ids_before),
-                f"line {line_number}",
+                line_number,
             )
             if limit is not None and len(requests) >= limit:
                 break
