@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from pagedkv.cli._checks import float_in, int_at_least, require_extra
+from pagedkv.cli._interrupt import StopOnCtrlC
 
 ROUTERS = ("round-robin", "least-loaded", "prefix-aware")
 # What one simulated instance holds open (measured: 3 descriptors with inproc, 7 with tcp):
@@ -130,9 +131,8 @@ def run(
     serve_config: Any,
     profile_name: str | None,
     make_progress: Any,
-    should_stop: Any = None,
 ) -> int:
-    """Run the cluster simulation and print its report; 130 if `should_stop()` cut it short."""
+    """Run the cluster simulation and print its report; 130 if Ctrl-C cut it short."""
     from pagedkv.sim.cluster import ClusterConfig, simulate_cluster
     from pagedkv.sim.report import serve_report
     from pagedkv.sim.serve import ServeResult
@@ -156,9 +156,8 @@ def run(
     progress = make_progress(len(trace.requests) * len(policies), "serving (cluster)")
     start = time.perf_counter()
     try:
-        summaries = simulate_cluster(
-            trace, config, policies, metrics, _Offset(progress), should_stop
-        )
+        with StopOnCtrlC() as stop:
+            summaries = simulate_cluster(trace, config, policies, metrics, _Offset(progress), stop)
     finally:
         progress.close()
     wall_s = time.perf_counter() - start
