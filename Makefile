@@ -17,10 +17,11 @@ simulate: $(VENV)/.pagedkv-sim
 	$(VENV)/bin/pagedkv simulate $(ARGS)
 
 # PAGEDKV_REQUIRE_TEST_DEPS: a test that would skip because something this command provides is
-# missing (an extra's package, redis-server) fails instead (tests/strict_setup.py).
+# missing (an extra's package, redis-server, triton) fails instead (tests/strict_setup.py);
+# PAGEDKV_REQUIRE_REDIS: the Redis tests' own check of the same (tests/redis_server.py).
 test: $(VENV)/.pagedkv-dev
 	@scripts/setup.sh redis
-	PAGEDKV_REQUIRE_TEST_DEPS=1 $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	PAGEDKV_REQUIRE_TEST_DEPS=1 PAGEDKV_REQUIRE_REDIS=1 $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 	@# vLLM's own test suites against the drop-in (issue 10) are run from here, after ours.
 
 $(VENV)/.pagedkv-%: pyproject.toml scripts/setup.sh
