@@ -98,8 +98,6 @@ def preflight(args: argparse.Namespace) -> None:
     if args.mode != "serve":
         raise InvalidArgumentError("--instances, --metrics-port and --index need --mode serve")
     require_extra("events", "--instances (instances publish KV events over ZeroMQ)")
-    if args.index != "memory":
-        _check_redis(args.index)
     if args.metrics_port is not None:
         require_extra("metrics", "--metrics-port")
     num_instances = args.instances or 1
@@ -170,6 +168,8 @@ def run(
         index_url=index_url,
         router_url=args.router_url,
     )
+    if index_url is not None:
+        _check_redis(index_url)
     metrics = server = None
     if args.metrics_port is not None:
         from pagedkv.metrics import KVCacheMetrics, start_http_server
