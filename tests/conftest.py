@@ -11,6 +11,13 @@ import os
 from collections.abc import Sequence
 
 import pytest
+from strict_setup import (  # noqa: F401 - pytest hooks of `make test`
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+    pytest_terminal_summary,
+)
 
 # The engine's Triton kernels run in Triton's interpreter in tests (set before anything imports
 # triton; building a transformers model does). PAGEDKV_TEST_GPU=1 compiles them for a GPU.

@@ -65,7 +65,7 @@ def test_listen_exits_cleanly_on_ctrl_c():
         text=True,
     )
     try:
-        time.sleep(1.5)  # let it import and start polling
+        assert process.stderr.readline().startswith("listening to tcp://127.0.0.1:1")
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=10)
     finally:

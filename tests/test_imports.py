@@ -26,6 +26,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "src" / "pagedkv"
 LAYERS: dict[str, int] = {
     # leaves
     "errors": 0,
+    "host_memory": 1,  # memory estimates and the machine's available memory
     "block": 1,
     "specs": 1,
     "stats": 1,
@@ -58,6 +59,7 @@ LAYERS: dict[str, int] = {
 # The core: these may import only the standard library and pagedkv at import time.
 CORE = {
     "errors",
+    "host_memory",
     "block",
     "specs",
     "stats",
@@ -92,7 +94,17 @@ ABOVE_LEAVES = {
     "sim",
     "cli",
 }
-LEAVES = {"errors", "block", "specs", "stats", "events", "free_queue", "hashing", "request"}
+LEAVES = {
+    "errors",
+    "host_memory",
+    "block",
+    "specs",
+    "stats",
+    "events",
+    "free_queue",
+    "hashing",
+    "request",
+}
 
 STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 

@@ -147,7 +147,7 @@ def test_cli_table_and_bad_arguments(capsys):
     assert code == 0
     assert "prefix-aware" in out and "router index equals every instance's cache" in out
     code, _, err = run_cli(capsys, "--instances", "0")
-    assert code == 2 and "--instances must be >= 1" in err
+    assert code == 2 and "argument --instances: must be >= 1, got 0" in err
     code, _, err = run_cli(capsys, "--instances", "2", "--mode", "replay")
     assert code == 2 and "need --mode serve" in err
     with pytest.raises(ConfigError, match="num_instances"):

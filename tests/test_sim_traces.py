@@ -115,7 +115,7 @@ def test_limit_reads_the_first_requests(tmp_path):
         (
             '{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [1]}',
             "timestamp",
-            ">= 0",
+            r"in \[0, 1e\+13\], got -1",
         ),
         (
             '{"timestamp": 0, "input_length": "10", "output_length": 1, "hash_ids": [1]}',

@@ -23,6 +23,7 @@ from pagedkv.eviction import (
     make_free_blocks,
 )
 from pagedkv.hashing import generate_block_hash_extra_keys, to_event_extra_keys
+from pagedkv.host_memory import BYTES_PER_BLOCK, check_fits
 
 if TYPE_CHECKING:
     from pagedkv.request import Request
@@ -92,6 +93,7 @@ class BlockPool:
             raise ConfigError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
         if num_kv_cache_groups < 1:
             raise ConfigError(f"num_kv_cache_groups={num_kv_cache_groups} must be >= 1")
+        check_fits(f"a pool of {num_blocks:,} blocks", num_blocks * BYTES_PER_BLOCK)
         self.num_gpu_blocks = num_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size

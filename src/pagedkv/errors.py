@@ -49,3 +49,13 @@ class InvariantViolation(PagedKVError, AssertionError):
 
 class NotEnoughMemoryError(PagedKVError, ValueError):
     """Memory sizing: the budget cannot hold even one request of `max_model_len` tokens."""
+
+
+class HostMemoryError(NotEnoughMemoryError):
+    """This machine's available memory cannot hold the structure asked for (estimated first,
+    so nothing was built); names the estimate and the limit."""
+
+    def __init__(self, message: str, needed_bytes: int, available_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes

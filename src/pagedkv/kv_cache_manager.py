@@ -57,6 +57,13 @@ class KVCacheManager:
         `EvictionConfig` with retention and a host-memory tier; default plain LRU."""
         if not isinstance(kv_cache_config, KVCacheConfig):
             raise ConfigError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
+        if not kv_cache_config.kv_cache_groups:
+            # Sizing describes an attention-free model so (as the reference's planner does);
+            # there is nothing to manage, and allocating would fail later with a stranger error.
+            raise ConfigError(
+                "kv_cache_config has no KV-cache groups (an attention-free model keeps no KV "
+                "cache): a KVCacheManager needs at least one KVCacheGroupSpec"
+            )
         check_count("max_model_len", max_model_len, 1)
         if not isinstance(watermark, (int, float)) or not 0.0 <= watermark < 1.0:
             raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark!r}")

@@ -289,7 +289,11 @@ class KVCacheTensor:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """How many blocks the pool has and which groups draw from it."""
+    """How many blocks the pool has and which groups draw from it.
+
+    No groups describes an attention-free model (sizing returns it, with one block); a
+    `KVCacheManager` refuses such a config, having nothing to manage.
+    """
 
     num_blocks: int
     kv_cache_groups: tuple[KVCacheGroupSpec, ...]

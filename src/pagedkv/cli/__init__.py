@@ -3,6 +3,9 @@
 A command module defines `COMMAND` (its name), `HELP` (one line), `add_arguments(parser)` and
 `run(args) -> int`, and imports only the standard library at module level (heavy optional
 imports go inside `run`), so `pagedkv --help` stays fast and works without extras.
+
+A user's mistake never ends in a traceback: a bad argument, a `PagedKVError` or an `OSError`
+prints one line `pagedkv COMMAND: error: ...` and exits 2; Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import importlib
 import pkgutil
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
+
+from pagedkv.errors import PagedKVError
 
 
 def _command_modules() -> list:
@@ -26,8 +32,15 @@ def _command_modules() -> list:
     return modules
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (argparse prints the whole usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pagedkv",
         description="Paged KV-cache manager: simulate, size, observe.",
     )
@@ -44,16 +57,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # a usage error (printed already), --help or --version
+        return exc.code if isinstance(exc.code, int) else 2
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    command = f"{parser.prog} {args.command}"
     try:
         return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"\n{command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader (`| head`) went away: stop quietly, as Unix tools do.
         import os
 
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except (PagedKVError, OSError) as exc:
+        print(f"{command}: error: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print(f"{command}: error: out of memory", file=sys.stderr)
         return 1

@@ -10,7 +10,16 @@ import sys
 import time
 from typing import Any
 
+from pagedkv.cli._checks import float_in, int_at_least, require_extra
+from pagedkv.cli._interrupt import StopOnCtrlC
+
 ROUTERS = ("round-robin", "least-loaded", "prefix-aware")
+# What one simulated instance holds open (measured: 3 descriptors with inproc, 7 with tcp):
+# its publisher's PUB and replay ROUTER sockets, the router's SUB and, after a gap, DEALER; a
+# ZeroMQ socket is a descriptor (its mailbox) and, over tcp, a connection or listener too.
+_SOCKETS_PER_INSTANCE = 4
+_FILES_PER_INSTANCE = {"inproc": 4, "tcp": 8}
+_FILES_BESIDES_INSTANCES = 64  # the interpreter, its libraries, ZeroMQ's I/O thread, the trace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--instances",
-        type=int,
+        type=int_at_least(1),
         metavar="N",
         help="simulate N instances, each with --capacity blocks (needs the [events] extra)",
     )
@@ -58,14 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--metrics-port",
-        type=int,
+        type=int_at_least(0, 65535),
         metavar="PORT",
         help="serve Prometheus metrics on 127.0.0.1:PORT while the simulation runs (0: any "
         "free port; needs the [metrics] extra); implies the cluster path",
     )
     group.add_argument(
         "--metrics-linger-s",
-        type=float,
+        type=float_in(0),
         default=0.0,
         metavar="S",
         help="keep serving metrics S seconds after the run (default 0)",
@@ -79,6 +88,49 @@ def _gap(text: str) -> float | None:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 or 'none', got {text!r}")
     return value
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """Checks before a cluster run: serve mode, the extras, and enough file descriptors and
+    ZeroMQ sockets for every instance (a run that would stop with EMFILE is refused now)."""
+    from pagedkv.errors import InvalidArgumentError
+
+    if args.mode != "serve":
+        raise InvalidArgumentError("--instances, --metrics-port and --index need --mode serve")
+    require_extra("events", "--instances (instances publish KV events over ZeroMQ)")
+    if args.metrics_port is not None:
+        require_extra("metrics", "--metrics-port")
+    num_instances = args.instances or 1
+    limit = open_files_limit()
+    num_files = _FILES_BESIDES_INSTANCES + num_instances * _FILES_PER_INSTANCE[args.event_transport]
+    if limit is not None and num_files > limit:
+        fit = max(
+            0, (limit - _FILES_BESIDES_INSTANCES) // _FILES_PER_INSTANCE[args.event_transport]
+        )
+        raise InvalidArgumentError(
+            f"--instances {num_instances} needs about {num_files:,} open files over "
+            f"{args.event_transport}; this process may open {limit:,} (ulimit -n): raise the "
+            f"limit or simulate at most {fit:,} instances"
+        )
+    import zmq
+
+    max_sockets = zmq.Context.instance().get(zmq.MAX_SOCKETS)
+    if num_instances * _SOCKETS_PER_INSTANCE > max_sockets:
+        raise InvalidArgumentError(
+            f"--instances {num_instances} needs up to {num_instances * _SOCKETS_PER_INSTANCE:,} "
+            f"ZeroMQ sockets; a ZeroMQ context allows {max_sockets:,}: simulate at most "
+            f"{max_sockets // _SOCKETS_PER_INSTANCE:,} instances"
+        )
+
+
+def open_files_limit() -> int | None:
+    """This process's soft limit on open file descriptors (`ulimit -n`), None if unlimited."""
+    try:
+        import resource
+    except ImportError:  # not a Unix system
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def wanted(args: argparse.Namespace) -> bool:
@@ -99,18 +151,12 @@ def run(
     profile_name: str | None,
     make_progress: Any,
 ) -> int:
-    from pagedkv.errors import InvalidArgumentError
+    """Run the cluster simulation and print its report; 130 if Ctrl-C cut it short."""
     from pagedkv.sim.cluster import ClusterConfig, simulate_cluster
     from pagedkv.sim.report import serve_report
     from pagedkv.sim.serve import ServeResult
 
-    if args.mode != "serve":
-        raise InvalidArgumentError("--instances, --metrics-port and --index need --mode serve")
-    if args.plot:
-        raise InvalidArgumentError("--plot is not available with --instances/--metrics-port")
     num_instances = 1 if args.instances is None else args.instances
-    if num_instances < 1:
-        raise InvalidArgumentError(f"--instances must be >= 1, got {num_instances}")
     router = args.router or ("all" if num_instances > 1 else "round-robin")
     policies = ROUTERS if router == "all" else (router,)
     index_url = None if args.index == "memory" else args.index
@@ -134,7 +180,8 @@ def run(
     progress = make_progress(len(trace.requests) * len(policies), "serving (cluster)")
     start = time.perf_counter()
     try:
-        summaries = simulate_cluster(trace, config, policies, metrics, _Offset(progress))
+        with StopOnCtrlC() as stop:
+            summaries = simulate_cluster(trace, config, policies, metrics, _Offset(progress), stop)
     finally:
         progress.close()
     wall_s = time.perf_counter() - start
@@ -164,7 +211,7 @@ def run(
     finally:
         if server is not None:
             server.shutdown()
-    return 0
+    return 130 if any(summary.get("interrupted") for summary in summaries) else 0
 
 
 def _check_redis(url: str) -> None:
@@ -195,6 +242,11 @@ class _Offset:
         self.progress(self.base + num_done)
 
 
+def _seconds(value: float | None, width: int, digits: int) -> str:
+    """A latency cell: `0.070s`, or `n/a` when no request finished."""
+    return f"{'n/a':>{width + 1}}" if value is None else f"{value:>{width}.{digits}f}s"
+
+
 def render_text(report: dict[str, Any], wall_s: float) -> str:
     trace, config = report["trace"], report["config"]
     lines = [
@@ -202,18 +254,19 @@ def render_text(report: dict[str, Any], wall_s: float) -> str:
         f"{config['instances']} instances x {config['num_blocks']:,} blocks, events over "
         f"{config['event_transport']} ZeroMQ",
         "",
-        f"{'router':<14}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'e2e p50':>10}"
-        f"{'req/s':>8}  {'requests per instance':<24}{'max/mean busy':>14}",
+        f"{'router':<14}{'completed':>10}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p99':>11}"
+        f"{'e2e p50':>10}{'req/s':>8}  {'requests per instance':<24}{'max/mean busy':>14}",
     ]
     for result in report["results"]:
         balance = result["load_balance"]
         per_instance = ",".join(str(n) for n in balance["requests_per_instance"])
         lines.append(
             f"{result['router']:<14}"
+            f"{result['num_requests_completed']:>10,}"
             f"{100 * result['prefix_cache']['hit_rate']:>9.2f}%"
-            f"{result['ttft_s']['p50']:>10.3f}s"
-            f"{result['ttft_s']['p99']:>10.3f}s"
-            f"{result['e2e_latency_s']['p50']:>9.2f}s"
+            f"{_seconds(result['ttft_s']['p50'], 10, 3)}"
+            f"{_seconds(result['ttft_s']['p99'], 10, 3)}"
+            f"{_seconds(result['e2e_latency_s']['p50'], 9, 2)}"
             f"{result['throughput']['requests_per_s']:>8.2f}  "
             f"{per_instance:<24}{balance['busy_time_max_over_mean']:>14.2f}"
         )
@@ -222,8 +275,20 @@ def render_text(report: dict[str, Any], wall_s: float) -> str:
         consistent = "unknown (the index is unavailable)"
     else:
         consistent = "yes" if all(matches) else "NO"
+    lines.append("")
+    for result in report["results"]:
+        if result["num_requests_rejected"]:
+            lines.append(
+                f"{result['router']}: {result['num_requests_rejected']:,} requests rejected "
+                f"(prompt >= max_model_len {config['max_model_len']:,})"
+            )
+        if result.get("interrupted"):
+            lines.append(
+                f"{result['router']}: INTERRUPTED (Ctrl-C) with "
+                f"{result['num_requests_unfinished']:,} requests unfinished; its figures cover "
+                "what was measured until then, and the routers after it did not run"
+            )
     lines += [
-        "",
         "hit rate: prefix-cache token hit rate over all instances; busy: simulated step time",
         f"router index equals every instance's cache at the end: {consistent}",
     ]

@@ -4,12 +4,17 @@ per event, filling gaps through the replay endpoint when one is given."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from typing import Any
 
+from pagedkv.cli._checks import float_in, int_at_least, require_extra
+
 COMMAND = "events"
 HELP = "KV-cache events on the wire: listen to a publisher."
+# ZeroMQ endpoints a subscriber can connect to: tcp://host:port, ipc://path, inproc://name.
+_ENDPOINT = re.compile(r"^(?:tcp://(?:\[[0-9A-Fa-f:.]+\]|[^\s:/]+):\d{1,5}|(?:ipc|inproc)://\S+)$")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,10 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     listen.add_argument("--replay", metavar="ENDPOINT", help="its replay endpoint, for gaps")
     listen.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     listen.add_argument(
-        "--max-batches", type=int, default=None, help="exit after this many batches"
+        "--max-batches", type=int_at_least(1), default=None, help="exit after this many batches"
     )
     listen.add_argument(
-        "--timeout-s", type=float, default=None, help="exit after this many seconds"
+        "--timeout-s",
+        type=float_in(0, open_minimum=True),
+        default=None,
+        help="exit after this many seconds",
     )
     listen.add_argument(
         "--sync", action="store_true", help="start from a snapshot of the publisher's cache"
@@ -60,12 +68,23 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "events_command", None) != "listen":
         print("usage: pagedkv events listen ENDPOINT [--replay ENDPOINT]", file=sys.stderr)
         return 2
+    _check_endpoint("endpoint", args.endpoint)
+    if args.replay is not None:
+        _check_endpoint("--replay", args.replay)
+    require_extra("events", "pagedkv events listen")
+    import zmq
+
+    from pagedkv.errors import InvalidArgumentError
     from pagedkv.wire.transport import ZmqEventSubscriber
 
-    subscriber = ZmqEventSubscriber(args.endpoint, args.replay, topic=args.topic)
+    try:
+        subscriber = ZmqEventSubscriber(args.endpoint, args.replay, topic=args.topic)
+    except zmq.ZMQError as exc:
+        raise InvalidArgumentError(f"cannot subscribe to {args.endpoint}: {exc}") from None
     num_batches = 0
     deadline = None if args.timeout_s is None else time.monotonic() + args.timeout_s
     try:
+        print(f"listening to {args.endpoint} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         if args.sync:
             snapshot = subscriber.sync()
             if snapshot is None:
@@ -89,6 +108,18 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _check_endpoint(name: str, endpoint: str) -> None:
+    from pagedkv.errors import InvalidArgumentError
+
+    match = _ENDPOINT.match(endpoint)
+    port = endpoint.rsplit(":", 1)[-1] if endpoint.startswith("tcp://") else None
+    if not match or (port is not None and not 1 <= int(port) <= 65535):
+        raise InvalidArgumentError(
+            f"{name} {endpoint!r} is not a ZeroMQ endpoint: expected tcp://HOST:PORT (e.g. "
+            "tcp://127.0.0.1:5557), ipc://PATH or inproc://NAME"
+        )
 
 
 def _print_batch(received: Any) -> None:

@@ -12,7 +12,9 @@ import time
 import warnings
 from typing import Any
 
-from pagedkv.cli import _cluster, _eviction
+from pagedkv.cli import _checks, _cluster, _eviction
+from pagedkv.cli._checks import float_in, int_at_least
+from pagedkv.cli._interrupt import StopOnCtrlC
 
 COMMAND = "simulate"
 HELP = "Simulate a request trace: prefix-cache hit rate, memory, preemptions, latency."
@@ -37,13 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument(
         "--num-requests",
-        type=int,
+        type=int_at_least(1),
         metavar="N",
         help="use the first N requests of the trace (workloads: generate N, default 400)",
     )
     source.add_argument(
         "--rate",
-        type=float,
+        type=float_in(0, open_minimum=True),
         default=2.0,
         metavar="PER_S",
         help="workloads: request (or session) arrival rate (default 2)",
@@ -64,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve: time-stepped serving with the scheduler (default); replay: "
         "cache-capacity study, one request at a time",
     )
-    sim.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    sim.add_argument(
+        "--block-size", type=int_at_least(1), default=16, help="tokens per block (default 16)"
+    )
     sim.add_argument(
         "--capacity",
         metavar="LIST",
@@ -111,24 +115,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--time-scale",
-        type=float,
+        type=float_in(0, open_minimum=True),
         default=1.0,
         help="multiply arrival times (0.5 = twice the request rate; default 1)",
     )
     serve.add_argument(
         "--max-model-len",
-        type=int,
+        type=int_at_least(1),
         metavar="TOKENS",
         help="longest request (default: the profile's, capped by capacity)",
     )
     serve.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=int_at_least(1),
         default=8192,
         help="token budget per step (default 8192)",
     )
     serve.add_argument(
-        "--max-num-seqs", type=int, default=256, help="requests per step (default 256)"
+        "--max-num-seqs", type=int_at_least(1), default=256, help="requests per step (default 256)"
     )
     serve.add_argument(
         "--policy",
@@ -138,13 +142,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--watermark",
-        type=float,
+        type=float_in(0, 1),
         default=0.0,
         help="fraction of blocks kept free from new admissions (default 0)",
     )
     serve.add_argument(
         "--long-prefill-token-threshold",
-        type=int,
+        type=int_at_least(0),
         default=0,
         metavar="TOKENS",
         help="cap prompt tokens per request per step (default 0: no cap)",
@@ -167,9 +171,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     output.add_argument(
         "--plot",
-        metavar="PNG",
-        help="write a plot (needs matplotlib): hit rate vs capacity (replay), "
-        "usage and queues over time (serve)",
+        metavar="FILE",
+        help="write a plot (needs matplotlib; the extension picks the format: .png, .svg, "
+        ".pdf...): hit rate vs capacity (replay), usage and queues over time (serve)",
     )
     output.add_argument("--no-progress", action="store_true", help="never show a progress bar")
     _cluster.add_arguments(parser)
@@ -195,8 +199,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.list_profiles:
         _print_profiles(cost_model)
         return 0
-    if args.block_size < 1:
-        raise _error(f"--block-size must be >= 1, got {args.block_size}")
     if args.mode == "replay" and (args.profile or args.cost):
         raise _error("--profile and --cost apply to --mode serve only")
     if args.memory and not args.model:
@@ -213,7 +215,11 @@ def _run(args: argparse.Namespace) -> int:
     _eviction.check(args, _error)
     if _eviction.wanted(args) and _cluster.wanted(args):
         raise _error("--eviction and --host-capacity are not supported with a cluster yet")
+    _checks.check_simulate_args(args, cost_model, cluster=_cluster.wanted(args))
+    if _cluster.wanted(args):
+        _cluster.preflight(args)
     trace = _load(args)
+    _checks.check_simulate_trace(args, trace)
     show_progress = not (args.json or args.no_progress) and sys.stderr.isatty()
     if _cluster.wanted(args):
         config, profile_name = _serve_config(args, cost_model)
@@ -240,7 +246,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
+    interrupted = args.mode == "serve" and the_report["results"].get("interrupted", False)
+    return 130 if interrupted else 0
 
 
 def _error(message: str) -> Exception:
@@ -330,7 +337,8 @@ def _serve(args: argparse.Namespace, trace: Any, cost_model: Any, show_progress:
     progress = _Progress(len(trace.requests), "serving", show_progress)
     start = time.perf_counter()
     try:
-        result = simulate_serving(trace, config, progress)
+        with StopOnCtrlC() as stop:  # Ctrl-C ends the run; the report shows what it measured
+            result = simulate_serving(trace, config, progress, stop)
     finally:
         progress.close()
     wall_s = time.perf_counter() - start

@@ -36,6 +36,7 @@ from pagedkv.sim.serve import (
 from pagedkv.sim.traces import Trace
 
 ProgressCallback = Callable[[int], None]
+StopCallback = Callable[[], bool]  # asked between events: True ends the run early (Ctrl-C)
 EVENT_TRANSPORTS = ("inproc", "tcp")
 _BARRIER_TIMEOUT_S = 30.0
 _FILL_AFTER_S = 0.5  # nothing received this long while behind: ask the replay socket
@@ -175,6 +176,7 @@ class _ClusterRun:
             self._attach_collectors(config.residency_sample_rate)
         self.index_url = config.index_url
         self.num_rejected = 0
+        self.interrupted = False
         self.matched_blocks: list[int] = []
         self.hash_block_size = serve.block_size
 
@@ -213,11 +215,16 @@ class _ClusterRun:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, progress: ProgressCallback | None) -> None:
+    def run(self, progress: ProgressCallback | None, should_stop: StopCallback | None) -> None:
+        """Serve the trace, or until `should_stop()`; either way the router then sees every
+        event published, so the index comparison stays meaningful."""
         requests = self.trace.requests
         next_index = 0
         try:
             while True:
+                if should_stop is not None and should_stop():
+                    self.interrupted = True
+                    break
                 busy = [inst for inst in self.instances if inst.busy]
                 next_step = min(busy, key=lambda inst: inst.run.now) if busy else None
                 arrival_s = self.arrivals[next_index] if next_index < len(requests) else None
@@ -408,8 +415,17 @@ class _ClusterRun:
             )
         completed = sum(run.totals["completed"] for run in runs)
         output_tokens = sum(run.totals["output_tokens"] for run in runs)
+        interrupted = (
+            {
+                "interrupted": True,
+                "num_requests_unfinished": len(self.trace.requests) - self.num_done,
+            }
+            if self.interrupted
+            else {}
+        )
         return {
             "router": policy,
+            **interrupted,
             "num_requests_completed": completed,
             "num_requests_rejected": self.num_rejected,
             "simulated_time_s": round_sig6(makespan_s),
@@ -498,8 +514,12 @@ def simulate_cluster(
     policies: Sequence[str],
     metrics: Any = None,
     progress: ProgressCallback | None = None,
+    should_stop: StopCallback | None = None,
 ) -> list[dict[str, Any]]:
     """Serve the trace once per routing policy (fresh instances each time); one summary each.
+
+    Once `should_stop()` says so, the current policy's run ends (its summary is marked
+    `"interrupted": true`) and the policies after it are not run.
 
     With `metrics` (a `pagedkv.metrics.KVCacheMetrics`), every instance step is observed,
     labelled `engine="<i>"` (or `"<policy>/<i>"` when several policies run).
@@ -512,8 +532,10 @@ def simulate_cluster(
         prefix = f"{policy}/" if len(policies) > 1 else ""
         run = _ClusterRun(trace, config, policy, metrics, prefix)
         try:
-            run.run(progress)
+            run.run(progress, should_stop)
             summaries.append(run.summary(policy))
         finally:
             run.close()
+        if run.interrupted:
+            break
     return summaries

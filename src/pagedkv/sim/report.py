@@ -164,6 +164,8 @@ def _rows(
         f"pagedkv simulate ({report['mode']}): {trace['name']}: {trace['num_requests']:,} "
         f"requests, {trace['num_prompt_tokens']:,} prompt tokens over {trace['duration_s']:,.0f} s"
     )
+    if report["mode"] == "serve" and report["results"].get("interrupted"):
+        title += " (INTERRUPTED)"
     notes: list[tuple[str, str]] = []
     if report["mode"] == "replay" and "policies" in report["config"]:
         from pagedkv.sim.eviction_report import eviction_rows
@@ -216,7 +218,11 @@ def _serve_rows(
     ):
         dist = results[key]
         rows.append(
-            [label] + [_number(dist[q] * scale) for q in ("mean", "p50", "p90", "p99", "max")]
+            [label]
+            + [
+                _number(None if dist[q] is None else dist[q] * scale)
+                for q in ("mean", "p50", "p90", "p99", "max")
+            ]
         )
     throughput = results["throughput"]
     cache = results["prefix_cache"]
@@ -241,6 +247,14 @@ def _serve_rows(
     )
     if "model" in config:
         notes.append(("KV groups", _groups_text(config["kv_cache_groups"])))
+    if results.get("interrupted"):
+        notes.append(
+            (
+                "INTERRUPTED",
+                f"stopped (Ctrl-C) with {results['num_requests_unfinished']:,} requests "
+                "unfinished: every figure covers only what was measured until then",
+            )
+        )
     notes.extend(
         [
             (
@@ -298,7 +312,7 @@ def _serve_rows(
         )
     served = throughput["prompt_tokens_per_s"]
     offered = report["offered_prompt_tokens_per_s"]
-    if served > 0 and offered > 1.2 * served:
+    if served > 0 and offered > 1.2 * served and not results.get("interrupted"):
         notes.append(
             (
                 "load",
@@ -336,7 +350,9 @@ def _groups_text(groups: list[dict[str, Any]]) -> str:
     return f"{', '.join(parts)} (kind/block size)"
 
 
-def _number(value: float) -> str:
+def _number(value: float | None) -> str:
+    if value is None:
+        return "n/a"
     if value >= 100:
         return f"{value:,.0f}"
     if value >= 10:

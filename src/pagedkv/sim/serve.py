@@ -32,6 +32,7 @@ from pagedkv.sim.traces import Trace, TraceRequest
 from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 ProgressCallback = Callable[[int], None]  # called with the number of requests done so far
+StopCallback = Callable[[], bool]  # asked between steps: True ends the run early (Ctrl-C)
 POLICIES: dict[str, Callable[[], SchedulingPolicy]] = {
     "fcfs": FCFSPolicy,
     "priority": PriorityPolicy,
@@ -102,9 +103,14 @@ class ServeConfig:
 
 @dataclass
 class ServeResult:
-    """Per-request latencies, totals and the per-step time series (for plots)."""
+    """Per-request latencies, totals and the per-step time series (for plots).
+
+    `interrupted`: the run was stopped early; the summary covers what finished by then (and
+    says so: `"interrupted": true` and `num_requests_unfinished`).
+    """
 
     summary: dict[str, Any]
+    interrupted: bool = False
     step_start_s: array = field(default_factory=lambda: array("d"))
     step_usage: array = field(default_factory=lambda: array("d"))
     step_num_running: array = field(default_factory=lambda: array("l"))
@@ -171,6 +177,7 @@ class ServeRun:
         # Host-tier loads in flight: (done at, request id), and their totals.
         self.kv_loads: list[tuple[float, str]] = []
         self.num_kv_loads = self.num_loaded_tokens = 0
+        self.interrupted = False
 
     def clock(self) -> float:
         """The simulated time (the eviction policy's clock, for retention durations)."""
@@ -180,10 +187,16 @@ class ServeRun:
     def num_done(self) -> int:
         return self.totals["completed"] + self.totals["rejected"]
 
-    def run(self, progress: ProgressCallback | None) -> None:
+    def run(
+        self, progress: ProgressCallback | None, should_stop: StopCallback | None = None
+    ) -> None:
+        """Serve to completion, or until `should_stop()` (then `self.interrupted` is set)."""
         scheduler = self.scheduler
         num_requests = len(self.requests)
         while self.next_index < num_requests or scheduler.has_unfinished_requests():
+            if should_stop is not None and should_stop():
+                self.interrupted = True
+                return
             self.admit_arrivals()
             if not scheduler.has_unfinished_requests():
                 if self.next_index < num_requests:
@@ -320,7 +333,13 @@ class ServeRun:
         assert stats is not None  # the manager logs stats
         totals, area, peak = self.totals, self.area, self.peak
         makespan_s = self.now - self.start_s
+        interrupted = (
+            {"interrupted": True, "num_requests_unfinished": len(self.requests) - self.num_done}
+            if self.interrupted
+            else {}
+        )
         summary = {
+            **interrupted,
             "num_requests_completed": totals["completed"],
             "num_requests_rejected": totals["rejected"],
             "num_steps": totals["steps"],
@@ -393,12 +412,16 @@ _TOTALS = (
 
 
 def simulate_serving(
-    trace: Trace, config: ServeConfig, progress: ProgressCallback | None = None
+    trace: Trace,
+    config: ServeConfig,
+    progress: ProgressCallback | None = None,
+    should_stop: StopCallback | None = None,
 ) -> ServeResult:
-    """Serve the whole trace to completion and summarise it."""
+    """Serve the whole trace to completion (or until `should_stop()`) and summarise it."""
     run = ServeRun(trace, config)
-    run.run(progress)
+    run.run(progress, should_stop)
     run.result.summary = run.summary()
+    run.result.interrupted = run.interrupted
     return run.result
 
 
@@ -432,9 +455,12 @@ def percentile(sorted_values: Sequence[float], fraction: float) -> float:
     return sorted_values[lower] * (1 - weight) + sorted_values[upper] * weight
 
 
-def summarize_distribution(values: list[float]) -> dict[str, float | int]:
-    """Count, mean, p50, p90, p99 and max, each to six significant digits."""
+def summarize_distribution(values: list[float]) -> dict[str, float | int | None]:
+    """Count, mean, p50, p90, p99 and max, each to six significant digits; with no values
+    every statistic is None (no request finished: there is no latency to report, not 0)."""
     ordered = sorted(values)
+    if not ordered:
+        return {"count": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
     return {
         "count": len(ordered),
         "mean": round_sig6(sum(ordered) / len(ordered) if ordered else 0.0),

@@ -7,14 +7,17 @@ Knows nothing of the scheduler or the manager.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.errors import HostMemoryError, InvalidArgumentError
+from pagedkv.host_memory import MemoryBudget, available_memory_bytes, format_bytes
 
 # One Mooncake hash id covers this many prompt tokens (the last block of a prompt is partial).
 TRACE_BLOCK_TOKENS = 512
@@ -23,6 +26,17 @@ TRACE_BLOCK_TOKENS = 512
 OUTPUT_TOKEN_BASE = 2**31
 MAX_TOKEN_ID = 2**32 - 1
 MAX_TRACE_BLOCKS = OUTPUT_TOKEN_BASE // TRACE_BLOCK_TOKENS
+# Arrival times up to ~317 years (Unix-epoch milliseconds fit): a float64 of seconds still
+# resolves microseconds there, so latencies stay exact; beyond it they would silently round.
+MAX_TIMESTAMP_MS = 10**13
+# Memory estimates (tracemalloc, CPython 3.11): parsing a line takes up to ~25 bytes per byte
+# of it (an empty list per 3 bytes in `[[],[],...]`); a kept request ~560 bytes plus ~120 per
+# run, ~36 per explicit token id and ~100 per distinct trace block id.
+_PARSE_BYTES_PER_LINE_BYTE = 25
+_KEPT_BYTES_PER_REQUEST = 600
+_KEPT_BYTES_PER_RUN = 120
+_KEPT_BYTES_PER_TOKEN_ID = 36
+_KEPT_BYTES_PER_BLOCK_ID = 100
 
 TokenRun = tuple[int, int]  # (first token id, number of tokens): ids first, first+1, ...
 
@@ -166,24 +180,28 @@ class _LineParser:
     def __init__(self, path: str) -> None:
         self.path = path
         self.id_to_dense: dict[int, int] = {}
+        self.num_dense = 0  # dense ids handed out: trace ids and fresh blocks
+
+    def _reserve_dense(self, line_number: int, field: str, num_blocks: int) -> int:
+        """The first of `num_blocks` new consecutive dense ids (checked before any is used)."""
+        first = self.num_dense
+        if first + num_blocks > MAX_TRACE_BLOCKS:
+            raise TraceFormatError(
+                self.path,
+                line_number,
+                field,
+                f"more than {MAX_TRACE_BLOCKS:,} distinct {TRACE_BLOCK_TOKENS}-token blocks in "
+                f"one trace ({MAX_TRACE_BLOCKS * TRACE_BLOCK_TOKENS:,} prompt tokens)",
+            )
+        self.num_dense = first + num_blocks
+        return first
 
     def _dense(self, line_number: int, block_id: int) -> int:
         dense = self.id_to_dense.get(block_id)
         if dense is None:
-            dense = len(self.id_to_dense)
-            if dense >= MAX_TRACE_BLOCKS:
-                raise TraceFormatError(
-                    self.path,
-                    line_number,
-                    "hash_ids",
-                    f"more than {MAX_TRACE_BLOCKS} distinct blocks in one trace",
-                )
+            dense = self._reserve_dense(line_number, "hash_ids", 1)
             self.id_to_dense[block_id] = dense
         return dense
-
-    def _fresh_dense(self, line_number: int) -> int:
-        # A block nobody else has: a key no JSON hash id can equal.
-        return self._dense(line_number, -1 - len(self.id_to_dense))
 
     def parse(self, line_number: int, text: str) -> TraceRequest:
         path = self.path
@@ -191,6 +209,11 @@ class _LineParser:
             record = json.loads(text)
         except json.JSONDecodeError as exc:
             raise TraceFormatError(path, line_number, None, f"not valid JSON ({exc.msg})") from None
+        except (ValueError, RecursionError) as exc:  # a 5,000-digit int; 10,000 nested lists
+            problem = str(exc).split(";")[0]  # not the hint to raise Python's digit limit
+            raise TraceFormatError(
+                path, line_number, None, f"not usable JSON ({problem})"
+            ) from None
         if not isinstance(record, dict):
             raise TraceFormatError(path, line_number, None, "expected a JSON object")
         output_length = self._int(record, line_number, "output_length", 1)
@@ -206,11 +229,10 @@ class _LineParser:
         elif "input_length" in record:
             timestamp_ms = self._timestamp(record, line_number, required=False)
             num_tokens = self._int(record, line_number, "input_length", 1)
-            runs = tuple(
-                (self._fresh_dense(line_number) * TRACE_BLOCK_TOKENS, size)
-                for size in _block_sizes(num_tokens)
-            )
-            runs, explicit = _merge_runs(runs), None
+            # Fresh blocks nobody else has, consecutive, so one run covers the whole prompt.
+            num_blocks = -(-num_tokens // TRACE_BLOCK_TOKENS)
+            first = self._reserve_dense(line_number, "input_length", num_blocks)
+            runs, explicit = ((first * TRACE_BLOCK_TOKENS, num_tokens),), None
         else:
             raise TraceFormatError(
                 path,
@@ -255,13 +277,13 @@ class _LineParser:
             not isinstance(value, (int, float))
             or isinstance(value, bool)
             or not math.isfinite(value)
-            or value < 0
+            or not 0 <= value <= MAX_TIMESTAMP_MS
         ):
             raise TraceFormatError(
                 self.path,
                 line_number,
                 "timestamp",
-                f"expected a finite number of milliseconds >= 0, got {value!r}",
+                f"expected milliseconds in [0, {MAX_TIMESTAMP_MS:.0e}], got {value!r}",
             )
         return float(value)
 
@@ -272,15 +294,16 @@ class _LineParser:
             raise TraceFormatError(
                 self.path, line_number, "hash_ids", f"expected a list, got {hash_ids!r}"
             )
-        sizes = _block_sizes(num_tokens)
-        if len(hash_ids) != len(sizes):
+        num_blocks = -(-num_tokens // TRACE_BLOCK_TOKENS)
+        if len(hash_ids) != num_blocks:  # checked before any list of that length is built
             raise TraceFormatError(
                 self.path,
                 line_number,
                 "hash_ids",
                 f"has {len(hash_ids)} ids; input_length {num_tokens} needs "
-                f"ceil({num_tokens}/{TRACE_BLOCK_TOKENS}) = {len(sizes)}",
+                f"ceil({num_tokens}/{TRACE_BLOCK_TOKENS}) = {num_blocks}",
             )
+        sizes = _block_sizes(num_tokens)
         runs = []
         for block_id, size in zip(hash_ids, sizes, strict=True):
             if not isinstance(block_id, int) or isinstance(block_id, bool) or block_id < 0:
@@ -335,8 +358,10 @@ def load_trace(path: str | Path, limit: int | None = None, name: str | None = No
     """Load a JSONL trace (Mooncake records, token ids or lengths; see docs/simulate.md).
 
     Reads the whole file (or its first `limit` requests) and validates every line before
-    returning; raises `TraceFormatError` on the first bad line. Unsorted timestamps are
-    sorted with a `TraceWarning`.
+    returning; raises `TraceFormatError` on the first bad line (not UTF-8 JSON, a bad field).
+    Memory is estimated line by line before it is spent: a line too long to parse, or a trace
+    whose requests would not fit, raises `HostMemoryError`. Unsorted timestamps are sorted
+    with a `TraceWarning`.
     """
     path = Path(path)
     if limit is not None and limit < 1:
@@ -344,14 +369,60 @@ def load_trace(path: str | Path, limit: int | None = None, name: str | None = No
     source = str(path)
     parser = _LineParser(source)
     requests: list[TraceRequest] = []
-    with path.open(encoding="utf-8") as lines:
-        for line_number, text in enumerate(lines, start=1):
+    budget = MemoryBudget(f"loading {source}", "line")
+    available_bytes = available_memory_bytes()
+    max_line_bytes = (
+        None if available_bytes is None else available_bytes // _PARSE_BYTES_PER_LINE_BYTE
+    )
+    with path.open("rb") as file:
+        lines: Iterable[bytes] = file
+        if max_line_bytes is not None and os.fstat(file.fileno()).st_size > max_line_bytes:
+            # Hot path: only a file bigger than a line may be cut into bounded reads.
+            lines = iter(functools.partial(file.readline, max_line_bytes + 1), b"")
+        for line_number, raw in enumerate(lines, start=1):
+            if max_line_bytes is not None and len(raw) > max_line_bytes:
+                raise _line_too_long(source, line_number, max_line_bytes, available_bytes)
+            text = _decode(source, line_number, raw)
             if not text.strip():
                 continue
-            requests.append(parser.parse(line_number, text))
+            num_ids_before = len(parser.id_to_dense)
+            request = parser.parse(line_number, text)
+            requests.append(request)
+            budget.add(
+                _KEPT_BYTES_PER_REQUEST
+                + _KEPT_BYTES_PER_RUN * len(request.prompt_runs)
+                + _KEPT_BYTES_PER_TOKEN_ID * len(request.explicit_prompt or ())
+                + _KEPT_BYTES_PER_BLOCK_ID * (len(parser.id_to_dense) - num_ids_before),
+                line_number,
+            )
             if limit is not None and len(requests) >= limit:
                 break
     if not requests:
         raise TraceFormatError(source, 1, None, "the trace has no requests")
     ordered = assign_output_tokens(sort_by_arrival(requests, source), source)
     return Trace(name or path.name, ordered, source)
+
+
+def _decode(source: str, line_number: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(
+            source,
+            line_number,
+            None,
+            f"not UTF-8 text (byte {raw[exc.start : exc.start + 1]!r} at column "
+            f"{exc.start + 1}); a trace is a JSONL text file",
+        ) from None
+
+
+def _line_too_long(
+    source: str, line_number: int, max_line_bytes: int, available_bytes: int | None
+) -> HostMemoryError:
+    return HostMemoryError(
+        f"{source}:{line_number}: the line is longer than {format_bytes(max_line_bytes)}; "
+        f"parsing it could take more than the {format_bytes(available_bytes or 0)} of memory "
+        "this machine has available",
+        max_line_bytes * _PARSE_BYTES_PER_LINE_BYTE,
+        available_bytes or 0,
+    )

@@ -43,6 +43,9 @@ DTYPE_TO_BYTES: dict[str, int] = {
 }
 # Hugging Face's default when a config names no dtype.
 DEFAULT_DTYPE = "float32"
+# Forty times the deepest published model: a bigger layer count is a broken config, and would
+# build one spec entry per layer (about 150 bytes each) before anything else is checked.
+MAX_NUM_LAYERS = 10_000
 SHIPPED_CONFIGS_PACKAGE = "pagedkv"
 _SHIPPED_CONFIGS_DIR = ("data", "configs")
 
@@ -94,7 +97,9 @@ class _Reader:
         value = self.data.get(name)
         return default if value is None else value
 
-    def get_int(self, name: str, default: Any = _MISSING, *, minimum: int = 1) -> int:
+    def get_int(
+        self, name: str, default: Any = _MISSING, *, minimum: int = 1, maximum: int | None = None
+    ) -> int:
         value = self.data.get(name)
         if value is None:
             if default is _MISSING:
@@ -102,7 +107,12 @@ class _Reader:
             return default
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
             raise self.error(name, f"must be an integer >= {minimum}, got {value!r}")
+        if maximum is not None and value > maximum:
+            raise self.error(name, f"must be at most {maximum:,}, got {value:,}")
         return value
+
+    def get_num_layers(self, name: str, default: Any = _MISSING) -> int:
+        return self.get_int(name, default, maximum=MAX_NUM_LAYERS)
 
     def nested(self, name: str) -> _Reader:
         """The reader of sub-dict `name` (Gemma 3, Llama 4 `text_config`), or self if absent."""
@@ -139,7 +149,7 @@ def _kinds_from_layer_types(r: _Reader, num_layers: int) -> list[str] | None:
         raise r.error("layer_types", f"must be a list of num_hidden_layers={num_layers} entries")
     kinds = []
     for value in layer_types:
-        if value not in _LAYER_TYPE_TO_KIND:
+        if not isinstance(value, str) or value not in _LAYER_TYPE_TO_KIND:
             raise r.error(
                 "layer_types",
                 f"has unsupported entry {value!r} (known: {', '.join(_LAYER_TYPE_TO_KIND)})",
@@ -184,14 +194,14 @@ def _decoder_specs(
 
 
 def _llama(r: _Reader, ctx: _Context) -> _Built:
-    num_layers = r.get_int("num_hidden_layers")
+    num_layers = r.get_num_layers("num_hidden_layers")
     kinds = _kinds_from_layer_types(r, num_layers) or ["full"] * num_layers
     return _decoder_specs(r, ctx, kinds), r.get("max_position_embeddings"), 0
 
 
 def _mistral(r: _Reader, ctx: _Context) -> _Built:
     """Every layer windowed when `sliding_window` is set (Mistral 7B v0.1), else full."""
-    num_layers = r.get_int("num_hidden_layers")
+    num_layers = r.get_num_layers("num_hidden_layers")
     kinds = _kinds_from_layer_types(r, num_layers)
     if kinds is None:
         kinds = ["sliding" if r.has("sliding_window") else "full"] * num_layers
@@ -200,7 +210,7 @@ def _mistral(r: _Reader, ctx: _Context) -> _Built:
 
 def _qwen(r: _Reader, ctx: _Context) -> _Built:
     """Qwen2/Qwen3: windowed from layer `max_window_layers` on, only if `use_sliding_window`."""
-    num_layers = r.get_int("num_hidden_layers")
+    num_layers = r.get_num_layers("num_hidden_layers")
     kinds = _kinds_from_layer_types(r, num_layers)
     if kinds is None:
         kinds = ["full"] * num_layers
@@ -212,7 +222,7 @@ def _qwen(r: _Reader, ctx: _Context) -> _Built:
 
 def _gemma2(r: _Reader, ctx: _Context) -> _Built:
     """Gemma 2: even layers windowed, odd layers global."""
-    num_layers = r.get_int("num_hidden_layers")
+    num_layers = r.get_num_layers("num_hidden_layers")
     kinds = _kinds_from_layer_types(r, num_layers)
     if kinds is None:
         kinds = ["sliding" if i % 2 == 0 else "full" for i in range(num_layers)]
@@ -227,7 +237,7 @@ def _gemma3(r: _Reader, ctx: _Context) -> _Built:
     sliding_window 4096, max_position_embeddings 131072); those defaults apply here too.
     """
     r = r.nested("text_config")
-    num_layers = r.get_int("num_hidden_layers")
+    num_layers = r.get_num_layers("num_hidden_layers")
     kinds = _kinds_from_layer_types(r, num_layers)
     if kinds is None:
         pattern = r.get_int("sliding_window_pattern", 6)
@@ -242,7 +252,7 @@ def _llama4(r: _Reader, ctx: _Context) -> _Built:
     `no_rope_layers[i]` is 1 for a RoPE layer; an empty list means the default interval.
     """
     r = r.nested("text_config")
-    num_layers = r.get_int("num_hidden_layers")
+    num_layers = r.get_num_layers("num_hidden_layers")
     kinds = _kinds_from_layer_types(r, num_layers)
     if kinds is None:
         uses_rope = r.get("no_rope_layers") or []
@@ -262,7 +272,7 @@ def _jamba(r: _Reader, ctx: _Context) -> _Built:
     Mamba state per layer: conv `(d_inner, d_conv - 1)` and SSM `(d_inner, d_state)` with
     `d_inner = mamba_expand × hidden_size`, both in the model dtype.
     """
-    num_layers = r.get_int("num_hidden_layers")
+    num_layers = r.get_num_layers("num_hidden_layers")
     period = r.get_int("attn_layer_period")
     offset = r.get_int("attn_layer_offset", minimum=0)
     if offset >= period:
@@ -288,7 +298,7 @@ def _nemotron_h(r: _Reader, ctx: _Context) -> _Built:
     Mamba-2 state: conv `(H·P + 2·G·N, conv_kernel - 1)` and SSM `(H, P, N)` for H heads of
     size P, G groups and state size N.
     """
-    num_layers = r.get_int("num_hidden_layers")
+    num_layers = r.get_num_layers("num_hidden_layers")
     pattern = r.get("hybrid_override_pattern")
     if not isinstance(pattern, str) or len(pattern) != num_layers or set(pattern) - set("M*-E"):
         raise r.error("hybrid_override_pattern", f"must be {num_layers} characters of M, *, - or E")
@@ -318,7 +328,7 @@ def _deepseek(r: _Reader, ctx: _Context) -> _Built:
 
     The multi-token-prediction layers (`num_nextn_predict_layers`) are not counted.
     """
-    num_layers = r.get_int("num_hidden_layers")
+    num_layers = r.get_num_layers("num_hidden_layers")
     latent_size = r.get_int("kv_lora_rank") + r.get_int("qk_rope_head_dim")
     spec = MLAAttentionSpec(ctx.block_size, 1, latent_size, ctx.dtype_bytes)
     specs: dict[str, KVCacheSpec] = {f"layers.{i}.self_attn": spec for i in range(num_layers)}
@@ -340,7 +350,7 @@ def _encoder_decoder(
 
 def _t5(r: _Reader, ctx: _Context) -> _Built:
     """T5: relative positions, so no hard length; the encoder side defaults to 512 tokens."""
-    num_layers = r.get_int("num_decoder_layers", r.get_int("num_layers"))
+    num_layers = r.get_num_layers("num_decoder_layers", r.get_num_layers("num_layers"))
     specs = _encoder_decoder(ctx, num_layers, r.get_int("num_heads"), r.get_int("d_kv"))
     return specs, None, r.get_int("n_positions", 512)
 
@@ -351,7 +361,9 @@ def _whisper_or_bart(r: _Reader, ctx: _Context) -> _Built:
     d_model = r.get_int("d_model")
     if d_model % num_heads:
         raise r.error("d_model", f"{d_model} is not divisible by {num_heads} heads")
-    specs = _encoder_decoder(ctx, r.get_int("decoder_layers"), num_heads, d_model // num_heads)
+    specs = _encoder_decoder(
+        ctx, r.get_num_layers("decoder_layers"), num_heads, d_model // num_heads
+    )
     if r.get("model_type") == "whisper":
         return specs, r.get_int("max_target_positions"), r.get_int("max_source_positions")
     max_len = r.get_int("max_position_embeddings")
@@ -420,6 +432,8 @@ def describe_model(
     model_type = r.get("model_type")
     if model_type is None:
         raise r.error("model_type", "is missing")
+    if not isinstance(model_type, str):
+        raise r.error("model_type", f"must be a string, got {model_type!r}")
     builder = MODEL_TYPE_TO_BUILDER.get(model_type)
     if builder is None:
         known = ", ".join(sorted(MODEL_TYPE_TO_BUILDER))

@@ -1,0 +1,204 @@
+"""CLI helper: argument types and the checks a command runs before any long work (fail fast).
+
+Each check raises a `PagedKVError` naming the flag and the bad value, so `pagedkv.cli.main`
+prints one line. Standard library only at import time; an extra is imported only to see that
+it is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+# Python modules each optional feature needs, and the extra that installs them.
+_EXTRA_MODULES = {
+    "events": ("zmq", "msgspec"),
+    "hashing": ("cbor2", "xxhash"),
+    "metrics": ("prometheus_client",),
+    "sim": ("matplotlib",),
+}
+_MODULE_TO_PACKAGE = {"zmq": "pyzmq", "prometheus_client": "prometheus-client"}
+
+
+# ---------------------------------------------------------------------------- argument types
+
+
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int in [minimum, maximum], or a one-line usage error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its messages
+    return parse
+
+
+def float_in(
+    minimum: float, maximum: float | None = None, *, open_minimum: bool = False
+) -> Callable[[str], float]:
+    """An argparse type: a finite float above `minimum` (or at it, unless `open_minimum`) and
+    below `maximum` (exclusive)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        low_ok = value > minimum if open_minimum else value >= minimum
+        if not (math.isfinite(value) and low_ok and (maximum is None or value < maximum)):
+            low = f"> {minimum:g}" if open_minimum else f">= {minimum:g}"
+            bound = low if maximum is None else f"{low} and < {maximum:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def require_extra(extra: str, feature: str) -> None:
+    """Raise `MissingDependencyError` unless every module of `extra` can be imported."""
+    from pagedkv.errors import MissingDependencyError
+
+    missing = [name for name in _EXTRA_MODULES[extra] if not _importable(name)]
+    if missing:
+        raise MissingDependencyError(
+            f"{feature} needs {', '.join(_MODULE_TO_PACKAGE.get(m, m) for m in missing)} "
+            f"(the [{extra}] extra): "
+            f"pip install 'pagedkv[{extra}]'"
+        )
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, a broken parent
+        return False
+
+
+def check_hash_algorithm(name: str) -> None:
+    """The extra a prefix-cache hash algorithm needs is installed."""
+    if name == "sha256_cbor":
+        require_extra("hashing", "--hash-algorithm sha256_cbor")
+    elif name == "xxh3_128":
+        require_extra("hashing", "--hash-algorithm xxh3_128")
+
+
+def check_output_file(flag: str, path_text: str, suffixes: Iterable[str] | None = None) -> Path:
+    """`path_text` names a file that can be written (its directory exists and is writable, it is
+    no directory) with one of `suffixes`, when given. Returns it as a Path."""
+    from pagedkv.errors import InvalidArgumentError
+
+    path = Path(path_text)
+    if path.is_dir():
+        raise InvalidArgumentError(f"{flag} {path_text}: is a directory; name a file in it")
+    if suffixes is not None:
+        known = sorted(suffixes)
+        suffix = path.suffix.lower().removeprefix(".")
+        if not suffix:
+            raise InvalidArgumentError(
+                f"{flag} {path_text}: no extension to choose the format by; use one of "
+                f"{', '.join('.' + s for s in known)}"
+            )
+        if suffix not in known:
+            raise InvalidArgumentError(
+                f"{flag} {path_text}: unknown format .{suffix}; use one of "
+                f"{', '.join('.' + s for s in known)}"
+            )
+    directory = path.parent
+    if not directory.is_dir():
+        raise InvalidArgumentError(f"{flag} {path_text}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InvalidArgumentError(f"{flag} {path_text}: not writable")
+    return path
+
+
+def check_plot_file(path_text: str) -> Path:
+    """`--plot`: matplotlib is installed and can write that file's format."""
+    require_extra("sim", "--plot")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return check_output_file("--plot", path_text, FigureCanvasBase.get_supported_filetypes())
+
+
+def check_pools_fit(what: str, num_blocks: int) -> None:
+    """Pools of `num_blocks` blocks in all fit in this machine's memory."""
+    from pagedkv.host_memory import BYTES_PER_BLOCK, check_fits
+
+    check_fits(what, num_blocks * BYTES_PER_BLOCK)
+
+
+# ---------------------------------------------------------------------------- pagedkv simulate
+
+
+def check_simulate_args(args: argparse.Namespace, cost_model: Any, *, cluster: bool) -> None:
+    """`pagedkv simulate`: every check that needs no trace, before loading one (extras,
+    output file, profile, memory for the pools or the workload). `cluster`: several
+    instances will run (their own checks are `_cluster.preflight`)."""
+    from pagedkv.errors import InvalidArgumentError
+    from pagedkv.host_memory import BYTES_PER_WORKLOAD_REQUEST, check_fits
+    from pagedkv.sim.replay import parse_capacities
+
+    check_hash_algorithm(args.hash_algorithm)
+    if args.plot:
+        if cluster:
+            raise InvalidArgumentError("--plot is not available with --instances/--metrics-port")
+        args.plot = str(check_plot_file(args.plot))
+    profile = cost_model.get_profile(args.profile or cost_model.DEFAULT_PROFILE)
+    if args.cost:
+        model = profile.cost_model().with_overrides(cost_model.parse_cost_overrides(args.cost))
+        if not any(asdict(model).values()):
+            raise InvalidArgumentError(
+                f"--cost {args.cost}: every coefficient is 0, so steps would take no simulated "
+                "time (every latency 0, throughput infinite)"
+            )
+    if args.capacity:
+        capacities = parse_capacities(args.capacity, args.block_size)
+        num_blocks = sum(capacity + 1 for capacity in capacities if capacity is not None)
+        if cluster:
+            num_blocks *= args.instances or 1
+        check_pools_fit(f"--capacity {args.capacity}", num_blocks)
+    if args.workload:
+        num_requests = args.num_requests or 400
+        check_fits(
+            f"--workload {args.workload} --num-requests {num_requests:,}",
+            num_requests * BYTES_PER_WORKLOAD_REQUEST,
+        )
+
+
+def check_simulate_trace(args: argparse.Namespace, trace: Any) -> None:
+    """`pagedkv simulate`: the checks that need the trace (scaled arrival times stay exact;
+    the longest prompt fits in memory for replay)."""
+    from pagedkv.errors import InvalidArgumentError
+    from pagedkv.host_memory import BYTES_PER_PROMPT_TOKEN, check_fits
+    from pagedkv.sim.traces import MAX_TIMESTAMP_MS
+
+    last_arrival_s = max((r.arrival_time_s for r in trace.requests), default=0.0)
+    max_s = MAX_TIMESTAMP_MS / 1000
+    if args.mode == "serve" and last_arrival_s * args.time_scale > max_s:
+        raise InvalidArgumentError(
+            f"the last request arrives at {last_arrival_s * args.time_scale:.3g} s (time scale "
+            f"{args.time_scale:g}); simulated times stay exact up to {max_s:.0e} s: lower "
+            "--time-scale" + (" or raise --rate" if args.workload else "")
+        )
+    if args.mode == "replay":
+        longest = max(trace.requests, key=lambda r: r.num_prompt_tokens)
+        check_fits(
+            f"replaying request {longest.request_id} ({longest.num_prompt_tokens:,} prompt tokens)",
+            longest.num_prompt_tokens * BYTES_PER_PROMPT_TOKEN,
+        )
