@@ -237,7 +237,7 @@ class BlockPool:
 
     def cache_full_blocks(
         self,
-        request: Request,
+        request: Request | None,
         blocks: Sequence[KVCacheBlock],
         block_hashes: Sequence[BlockHash],
         num_cached_blocks: int,
@@ -248,15 +248,18 @@ class BlockPool:
         """Enter blocks [num_cached_blocks, num_full_blocks) of a request into the cache.
 
         `block_hashes` are the request's hashes at this group's block size. Null blocks are
-        skipped. Emits one `BlockStored` covering the newly cached blocks.
+        skipped. Emits one `BlockStored` covering the newly cached blocks. `request` may be
+        None only with events off (a prompt replayed by its keys alone has no token ids).
         """
         if num_cached_blocks >= num_full_blocks:
             return
         if len(block_hashes) < num_full_blocks:
             raise InvariantViolation(
-                f"request {request.request_id!r} has {len(block_hashes)} block hashes, "
-                f"{num_full_blocks} needed to cache its full blocks"
+                f"request {request.request_id if request else None!r} has {len(block_hashes)} "
+                f"block hashes, {num_full_blocks} needed to cache its full blocks"
             )
+        if request is None and self.enable_kv_cache_events:
+            raise InvariantViolation("a BlockStored event needs the request's token ids")
         hash_map = self.hash_to_block[kv_cache_group_id]
         setdefault = hash_map.setdefault
         null_block = self.null_block
@@ -296,6 +299,7 @@ class BlockPool:
                     new_hashes.append(block_hash)
                     new_indices.append(index)
         if new_hashes:
+            assert request is not None  # refused above when events are on
             self.kv_event_queue.append(
                 self._block_stored_event(
                     request,

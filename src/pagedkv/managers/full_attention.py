@@ -53,6 +53,53 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 del group_hits[num_kept:]
         return computed, hit_length
 
+    def prefill_and_free(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> int | None:
+        """Serve a prompt as a request that holds no blocks and finishes at once.
+
+        The same pool calls, in the same order and with the same arguments, as the facade's
+        `get_computed_blocks`, `allocate_slots(request, num_tokens - hit, hit, hit_blocks,
+        has_scheduled_reqs=False)` and `free` of such a request, with no table entry in
+        between. The caller has checked the arguments (at least `num_tokens // block_size`
+        hashes when caching).
+
+        Returns the hit length in tokens, or None if the prompt does not fit (nothing changed).
+        """
+        block_size = self.block_size
+        pool = self.block_pool
+        hits: list[KVCacheBlock] = []
+        if self.enable_caching:
+            get = pool.hash_to_block[self.kv_cache_group_id].get
+            for index in range(min((num_tokens - 1) // block_size, len(block_hashes))):
+                block = get(block_hashes[index])
+                if block is None:
+                    break  # chained hashes: every later block misses too
+                hits.append(block)
+        num_hits = len(hits)
+        num_blocks = -(-num_tokens // block_size)
+        # Hit blocks nobody holds sit in the free queue, so adopting them uses free blocks.
+        num_evictable = 0
+        for block in hits:
+            if block.ref_cnt == 0:
+                num_evictable += 1
+        if num_blocks - num_hits + num_evictable > pool.free_block_queue.num_free_blocks:
+            return None
+        pool.touch(hits)
+        blocks = hits
+        blocks += pool.get_new_blocks(num_blocks - num_hits)
+        if self.enable_caching:
+            pool.cache_full_blocks(
+                None,
+                blocks,
+                block_hashes,
+                num_hits,
+                num_tokens // block_size,
+                block_size,
+                self.kv_cache_group_id,
+            )
+        blocks.reverse()  # as `free`: the prompt's tail is evicted before its head
+        pool.free_blocks(blocks)
+        return num_hits * block_size
+
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         blocks = self.req_to_blocks.get(running_request_id)
         if not blocks:
