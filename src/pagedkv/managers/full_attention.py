@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
+from itertools import islice, takewhile
+from operator import is_not
 
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockPool
 from pagedkv.hashing import resolve_block_hashes
 from pagedkv.managers.base import SingleTypeKVCacheManager
 from pagedkv.specs import KVCacheSpec, cdiv
+
+_is_block = partial(is_not, None)  # a C-level "found" test for dict.get results
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
@@ -69,20 +74,22 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         hits: list[KVCacheBlock] = []
         if self.enable_caching:
             get = pool.hash_to_block[self.kv_cache_group_id].get
-            for index in range(min((num_tokens - 1) // block_size, len(block_hashes))):
-                block = get(block_hashes[index])
-                if block is None:
-                    break  # chained hashes: every later block misses too
-                hits.append(block)
+            num_probes = min((num_tokens - 1) // block_size, len(block_hashes))
+            # Hot path: probe in C until the first miss (chained hashes: every later block
+            # misses too).
+            hits = list(takewhile(_is_block, map(get, islice(block_hashes, num_probes))))
         num_hits = len(hits)
         num_blocks = -(-num_tokens // block_size)
-        # Hit blocks nobody holds sit in the free queue, so adopting them uses free blocks.
-        num_evictable = 0
-        for block in hits:
-            if block.ref_cnt == 0:
-                num_evictable += 1
-        if num_blocks - num_hits + num_evictable > pool.free_block_queue.num_free_blocks:
-            return None
+        num_free = pool.free_block_queue.num_free_blocks
+        if num_blocks > num_free:
+            # Hit blocks nobody holds sit in the free queue: adopting them uses free blocks.
+            # (With num_blocks free blocks the prompt fits whatever they are.)
+            num_evictable = 0
+            for block in hits:
+                if block.ref_cnt == 0:
+                    num_evictable += 1
+            if num_blocks - num_hits + num_evictable > num_free:
+                return None
         pool.touch(hits)
         blocks = hits
         blocks += pool.get_new_blocks(num_blocks - num_hits)

@@ -8,7 +8,6 @@ process per capacity, or one pass feeding every capacity. No scheduler, no time.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
 import signal
@@ -179,7 +178,7 @@ def _replay_sweep(
     pools = [capacity for capacity in pools if capacity < total_blocks]
     never_evict = len(pools) < len(set(capacities_blocks))
     jobs: list[int | None] = [*pools, None] if never_evict else list(pools)
-    if max_workers > 1 and len(pools) > 1 and "fork" in multiprocessing.get_all_start_methods():
+    if max_workers > 1 and len(pools) > 1 and _can_fork():
         outcomes = _replay_in_processes(trace, jobs, block_size, progress, max_workers)
     else:
         outcomes = _replay_keyed(trace, jobs, block_size, progress)
@@ -302,6 +301,8 @@ def _replay_in_processes(
 
     Workers ignore Ctrl-C; the parent stops them all (terminate) on any error or interrupt.
     """
+    import multiprocessing  # only here: ~45 ms to import
+
     context = multiprocessing.get_context("fork")
     counters = context.Array("q", len(jobs), lock=False)
     pool = context.Pool(min(max_workers, len(jobs)), _init_worker, (counters,))
@@ -325,6 +326,12 @@ def _replay_in_processes(
     if progress is not None:
         progress(len(trace.requests))
     return outcomes
+
+
+def _can_fork() -> bool:
+    import multiprocessing
+
+    return "fork" in multiprocessing.get_all_start_methods()
 
 
 def _init_worker(counters: Any) -> None:
