@@ -7,16 +7,23 @@ keyed one existed.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.hashing import make_request_block_hasher
 from pagedkv.request import Request
+from pagedkv.sched import SchedulerConfig
 from pagedkv.sim.block_keys import TraceBlockKeys, canonical_runs, runs_of_token_ids
+from pagedkv.sim.cost_model import DEFAULT_PROFILE, get_profile
 from pagedkv.sim.replay import replay
+from pagedkv.sim.serve import ServeConfig, simulate_serving
 from pagedkv.sim.traces import OUTPUT_TOKEN_BASE, Trace, TraceRequest, load_trace
 from pagedkv.specs import cdiv
+
+DATA = Path(__file__).parent / "data"
 
 # Hit tokens and requests not fit on the shipped 1,000-request Mooncake sample, from the
 # token-hash replay at commit 1ad8b8a: (block size, capacity, hit tokens, not fit).
@@ -130,3 +137,50 @@ def test_process_sweep_equals_one_pass(sample_trace):
     # A pool holding every prompt block never evicts: the same hits as unlimited.
     assert one_pass[0].num_hit_tokens == one_pass[2].num_hit_tokens == one_pass[3].num_hit_tokens
     assert one_pass[4].num_hit_tokens < one_pass[1].num_hit_tokens < one_pass[0].num_hit_tokens
+
+
+def _serve_config(num_blocks: int, hash_tokens: bool, **scheduler) -> ServeConfig:
+    model = get_profile(DEFAULT_PROFILE).cost_model()
+    config = SchedulerConfig(
+        max_num_batched_tokens=2048, max_model_len=num_blocks * 16, **scheduler
+    )
+    return ServeConfig(
+        num_blocks=num_blocks,
+        cost_model=model,
+        scheduler=config,
+        max_model_len=num_blocks * 16,
+        time_scale=0.05,
+        hash_tokens=hash_tokens,
+    )
+
+
+@pytest.mark.parametrize("num_blocks", [600, 3000])
+def test_serve_by_keys_equals_serve_by_token_hashes(num_blocks):
+    # 600 blocks: preemptions, so re-admitted requests look up prompt and output blocks.
+    trace = load_trace(DATA / "mooncake_conversations46.jsonl")
+    by_hashes = simulate_serving(trace, _serve_config(num_blocks, hash_tokens=True)).summary
+    by_keys = simulate_serving(trace, _serve_config(num_blocks, hash_tokens=False)).summary
+    assert by_keys == by_hashes
+    assert by_keys["prefix_cache"]["hits"] > 0
+    if num_blocks == 600:
+        assert by_keys["preemptions"]["num_preemptions"] > 0
+        assert by_keys["prefix_cache"]["preempted_hits"] > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(prompts=st.lists(_PROMPT, min_size=1, max_size=10), num_blocks=st.integers(4, 12))
+def test_serve_keys_cover_output_blocks(prompts, num_blocks):
+    # Block size 16 would rarely fill an output block of these short prompts; 2 does.
+    trace = _trace(prompts)
+    results = []
+    for hash_tokens in (True, False):
+        config = ServeConfig(
+            num_blocks=num_blocks,
+            cost_model=get_profile(DEFAULT_PROFILE).cost_model(),
+            scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=2 * num_blocks),
+            block_size=2,
+            max_model_len=2 * num_blocks,
+            hash_tokens=hash_tokens,
+        )
+        results.append(simulate_serving(trace, config).summary)
+    assert results[0] == results[1]

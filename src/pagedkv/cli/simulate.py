@@ -19,6 +19,7 @@ HELP = "Simulate a request trace: prefix-cache hit rate, memory, preemptions, la
 
 SAMPLE_TRACE = "mooncake_conversation_sample.jsonl"
 _PROGRESS_DELAY_S = 1.0
+_UNWRAPPED_WIDTH = 500  # columns rich may use when stdout is no terminal
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +90,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="sha256",
         choices=("sha256", "sha256_cbor", "xxh3_128"),
         help="prefix-cache hash (default sha256)",
+    )
+    sim.add_argument(
+        "--hash-tokens",
+        action="store_true",
+        help="hash every block's tokens (--hash-algorithm) instead of keying blocks by the "
+        "trace's token runs: the same hits, several times slower (a cluster always hashes: "
+        "its KV events carry the digests)",
+    )
+    sim.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="worker processes for a replay sweep of several capacities (default: one per "
+        "core; 1: in this process)",
     )
 
     serve = parser.add_argument_group("serve mode")
@@ -296,6 +311,8 @@ def _replay(args: argparse.Namespace, trace: Any, show_progress: bool) -> tuple:
             args.hash_algorithm,
             progress,
             kv_cache_groups=groups,
+            hash_tokens=args.hash_tokens,
+            max_workers=_max_workers(args),
         )
     finally:
         progress.close()
@@ -312,6 +329,16 @@ def _replay(args: argparse.Namespace, trace: Any, show_progress: bool) -> tuple:
         plot_replay(the_report, path)
 
     return the_report, speed, plot
+
+
+def _max_workers(args: argparse.Namespace) -> int:
+    from pagedkv.sim.processes import default_max_workers
+
+    if args.jobs is None:
+        return default_max_workers()
+    if args.jobs < 1:
+        raise _error(f"--jobs must be >= 1, got {args.jobs}")
+    return args.jobs
 
 
 def _serve(args: argparse.Namespace, trace: Any, cost_model: Any, show_progress: bool) -> tuple:
@@ -389,6 +416,7 @@ def _serve_config(args: argparse.Namespace, cost_model: Any) -> tuple[Any, str |
         watermark=args.watermark,
         hash_algorithm=args.hash_algorithm,
         kv_cache_config=kv_cache_config,
+        hash_tokens=args.hash_tokens,
     )
     return config, profile.name if not args.cost else None
 
@@ -461,7 +489,9 @@ def _print_table(report_module: Any, the_report: dict, speed: Any) -> None:
         ascii_only = "utf" not in encoding
         sys.stdout.write(report_module.render_text(the_report, speed, ascii_only=ascii_only))
         return
-    report_module.render_rich(the_report, speed, Console())
+    # Piped or redirected: no terminal width to fit, so never wrap (rich would assume 80).
+    width = None if sys.stdout.isatty() else _UNWRAPPED_WIDTH
+    report_module.render_rich(the_report, speed, Console(width=width))
 
 
 def _print_profiles(cost_model: Any) -> None:

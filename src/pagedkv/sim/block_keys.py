@@ -10,8 +10,11 @@ Knows nothing of the manager.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import cast
 
+from pagedkv.block import BlockHash
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.hashing import HashedRequest, RequestBlockHasher
 from pagedkv.sim.traces import MAX_TOKEN_ID, TokenRun, TraceRequest
 
 # A key is `run_id * _SPREAD + end_offset`: unique, since an offset is at most 2**32 (a run's
@@ -80,34 +83,111 @@ class TraceBlockKeys:
 
     def get_keys(self, request: TraceRequest) -> list[int]:
         """The keys of every full block of the prompt, in position order."""
-        if request.explicit_prompt is not None:
-            runs: Sequence[TokenRun] = runs_of_token_ids(request.explicit_prompt)
-        else:
-            runs = request.prompt_runs
         block_size = self.block_size
+        keys: list[int] = []
+        for run_id, num_tokens_before, num_tokens in self._walk(request, _prompt_runs(request)):
+            base = run_id * _SPREAD
+            # Hot path: the blocks ending inside this run are one C-level range of keys.
+            first_end = block_size - num_tokens_before % block_size
+            keys += range(base + first_end, base + num_tokens + 1, block_size)
+        return keys
+
+    def get_output_run(self, request: TraceRequest) -> tuple[int, int]:
+        """(key base, first token position) of the run holding the request's output tokens.
+
+        The output ids continue from `output_token_start`, so the block ending at position
+        `p` past that first position has key `base + p - first position`, as `get_keys` of
+        the prompt followed by those tokens would give.
+        """
+        runs = [*_prompt_runs(request), (request.output_token_start, 1)]
+        *_, (run_id, num_tokens_before, _) = self._walk(request, runs)
+        return run_id * _SPREAD, num_tokens_before
+
+    def _walk(
+        self, request: TraceRequest, runs: Sequence[TokenRun]
+    ) -> Iterator[tuple[int, int, int]]:
+        """Yield (run id, tokens before it, its tokens) for each maximal run, interning ids.
+
+        The prefix ending with a run is interned only once the walk moves past it.
+        """
         run_ids = self._run_ids
         prefix_ids = self._prefix_ids
-        keys: list[int] = []
         prefix_id = 0  # the empty prefix
         num_tokens_before = 0
+        previous_key = None
         for first, num_tokens in canonical_runs(runs):
             if not 0 <= first <= MAX_TOKEN_ID - num_tokens + 1:
                 raise InvalidArgumentError(
                     f"request {request.request_id}: token run ({first}, {num_tokens}) leaves "
                     f"[0, {MAX_TOKEN_ID}]"
                 )
+            if previous_key is not None:
+                complete = prefix_ids.get(previous_key)
+                if complete is None:
+                    complete = prefix_ids[previous_key] = len(prefix_ids) + 1
+                prefix_id = complete
             run_key = prefix_id * _SPREAD + first
             run_id = run_ids.get(run_key)
             if run_id is None:
                 run_id = run_ids[run_key] = len(run_ids) + 1
-            base = run_id * _SPREAD
-            # Hot path: the blocks ending inside this run are one C-level range of keys.
-            first_end = block_size - num_tokens_before % block_size
-            keys += range(base + first_end, base + num_tokens + 1, block_size)
-            prefix_key = base + num_tokens
-            complete = prefix_ids.get(prefix_key)
-            if complete is None:
-                complete = prefix_ids[prefix_key] = len(prefix_ids) + 1
-            prefix_id = complete
+            yield run_id, num_tokens_before, num_tokens
+            previous_key = run_id * _SPREAD + num_tokens
             num_tokens_before += num_tokens
-        return keys
+
+
+def _prompt_runs(request: TraceRequest) -> Sequence[TokenRun]:
+    if request.explicit_prompt is not None:
+        return runs_of_token_ids(request.explicit_prompt)
+    return request.prompt_runs
+
+
+class TraceBlockHasher(RequestBlockHasher):
+    """A request block hasher that keys trace requests by their token runs (no SHA-256).
+
+    For serve mode: `register` each request's trace request before building its `Request`,
+    `forget` it when it finishes. Prompt blocks get `TraceBlockKeys.get_keys`; blocks ending
+    in the output (output token i is `output_token_start + i`, as serve mode samples) get
+    keys of the output run. Same equality as hashing the tokens; never for KV events, whose
+    consumers need real digests.
+    """
+
+    __slots__ = ("keys", "_requests")
+
+    def __init__(self, hash_block_size: int) -> None:
+        super().__init__(hash_block_size)
+        self.keys = TraceBlockKeys(hash_block_size)
+        # request id -> (trace request, output run (key base, first position) once needed)
+        self._requests: dict[str, list] = {}
+
+    def register(self, request_id: str, trace_request: TraceRequest) -> None:
+        self._requests[request_id] = [trace_request, None]
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def __call__(
+        self, request: HashedRequest, packed_tokens: bytes | None = None
+    ) -> list[BlockHash]:
+        """The keys of the request's newly full blocks (see `RequestBlockHasher.__call__`)."""
+        block_size = self.hash_block_size
+        start_block = len(request.block_hashes)
+        end_block = request.num_tokens // block_size
+        if end_block <= start_block:
+            return []
+        entry = self._requests[request.request_id]  # type: ignore[attr-defined]
+        trace_request = entry[0]
+        keys: list[int] = []
+        num_prompt_blocks = trace_request.num_prompt_tokens // block_size
+        if start_block < num_prompt_blocks:
+            keys = self.keys.get_keys(trace_request)[start_block:end_block]
+            start_block += len(keys)
+        if start_block < end_block:
+            if entry[1] is None:
+                entry[1] = self.keys.get_output_run(trace_request)
+            base, first_position = entry[1]
+            start_end = (start_block + 1) * block_size - first_position
+            keys += range(
+                base + start_end, base + end_block * block_size - first_position + 1, block_size
+            )
+        # Ints, not digests: the pool only compares keys (see TraceBlockKeys).
+        return cast(list[BlockHash], keys)

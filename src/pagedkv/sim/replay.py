@@ -8,20 +8,19 @@ process per capacity, or one pass feeding every capacity. No scheduler, no time.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 from pagedkv.block import BlockHash
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.hashing import make_request_block_hasher
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request
+from pagedkv.sim import processes
 from pagedkv.sim.block_keys import TraceBlockKeys
+from pagedkv.sim.processes import JobProgress
 from pagedkv.sim.traces import Trace
 from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, cdiv
 
@@ -178,8 +177,11 @@ def _replay_sweep(
     pools = [capacity for capacity in pools if capacity < total_blocks]
     never_evict = len(pools) < len(set(capacities_blocks))
     jobs: list[int | None] = [*pools, None] if never_evict else list(pools)
-    if max_workers > 1 and len(pools) > 1 and _can_fork():
-        outcomes = _replay_in_processes(trace, jobs, block_size, progress, max_workers)
+    if max_workers > 1 and len(pools) > 1 and processes.can_fork():
+        arguments = [(trace, capacity, block_size) for capacity in jobs]
+        outcomes = processes.run_jobs(
+            _replay_job, arguments, max_workers, len(trace.requests), progress
+        )
     else:
         outcomes = _replay_keyed(trace, jobs, block_size, progress)
     by_capacity = dict(zip(jobs, outcomes, strict=True))
@@ -283,78 +285,11 @@ def _num_hits(unlimited: _UnlimitedCache | None) -> int:
     return unlimited.num_hit_tokens
 
 
-# ----------------------------------------------------------------------------- processes
-
-_POLL_S = 0.1
-_PROGRESS_EVERY = 64  # requests between two updates of a worker's shared counter
-_worker_counters: Any = None  # set in each worker process by _init_worker
-
-
-def _replay_in_processes(
-    trace: Trace,
-    jobs: Sequence[int | None],
-    block_size: int,
-    progress: ProgressCallback | None,
-    max_workers: int,
-) -> list[Outcome]:
-    """Each capacity in its own forked worker; progress is the mean over the jobs.
-
-    Workers ignore Ctrl-C; the parent stops them all (terminate) on any error or interrupt.
-    """
-    import multiprocessing  # only here: ~45 ms to import
-
-    context = multiprocessing.get_context("fork")
-    counters = context.Array("q", len(jobs), lock=False)
-    pool = context.Pool(min(max_workers, len(jobs)), _init_worker, (counters,))
-    try:
-        pending = [
-            pool.apply_async(_replay_job, (trace, job_index, capacity, block_size))
-            for job_index, capacity in enumerate(jobs)
-        ]
-        while not all(result.ready() for result in pending):
-            time.sleep(_POLL_S)
-            if progress is not None:
-                progress(sum(counters) // len(jobs))
-        outcomes = [result.get() for result in pending]
-    except BaseException:
-        pool.terminate()
-        raise
-    else:
-        pool.close()
-    finally:
-        pool.join()
-    if progress is not None:
-        progress(len(trace.requests))
-    return outcomes
-
-
-def _can_fork() -> bool:
-    import multiprocessing
-
-    return "fork" in multiprocessing.get_all_start_methods()
-
-
-def _init_worker(counters: Any) -> None:
-    global _worker_counters
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
-    _worker_counters = counters
-
-
-def _replay_job(trace: Trace, job_index: int, capacity: int | None, block_size: int) -> Outcome:
-    def report(num_done: int) -> None:
-        if num_done % _PROGRESS_EVERY == 0 or num_done == len(trace.requests):
-            _worker_counters[job_index] = num_done
-
+def _replay_job(argument: tuple[Trace, int | None, int], report: JobProgress) -> Outcome:
+    """One capacity in a worker process (`processes.run_jobs`)."""
+    trace, capacity, block_size = argument
     (outcome,) = _replay_keyed(trace, [capacity], block_size, report)
     return outcome
-
-
-def default_max_workers() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on every platform
-        return os.cpu_count() or 1
 
 
 class _UnlimitedCache:

@@ -63,9 +63,11 @@ def replay_report(
     model_name: str | None = None,
     kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
 ) -> dict[str, Any]:
-    """With a model's `kv_cache_groups`, the config names the model and its groups, and
-    `capacity_tokens` is null: a block count shared by several groups is no token count."""
+    """Results sorted by capacity, unlimited last. With a model's `kv_cache_groups`, the
+    config names the model and its groups, and `capacity_tokens` is null: a block count
+    shared by several groups is no token count."""
     config: dict[str, Any] = {"block_size": block_size, "hash_algorithm": hash_algorithm}
+    points = sorted(points, key=_capacity_order)
     if kv_cache_groups is not None:
         config.update(_model_config(model_name or "custom", kv_cache_groups))
     return {
@@ -89,6 +91,11 @@ def replay_report(
             for point in points
         ],
     }
+
+
+def _capacity_order(point: ReplayPoint) -> tuple[bool, int]:
+    capacity = point.capacity_blocks
+    return (capacity is None, capacity or 0)
 
 
 def serve_report(

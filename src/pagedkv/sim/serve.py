@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.errors import ConfigError, InvariantViolation
-from pagedkv.hashing import make_request_block_hasher
+from pagedkv.hashing import RequestBlockHasher, make_request_block_hasher
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request
 from pagedkv.sched import (
@@ -25,6 +25,7 @@ from pagedkv.sched import (
     SchedulingPolicy,
     StepRecord,
 )
+from pagedkv.sim.block_keys import TraceBlockHasher
 from pagedkv.sim.cost_model import LinearCostModel
 from pagedkv.sim.traces import Trace, TraceRequest
 from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -47,6 +48,9 @@ class ServeConfig:
     its pool must hold `num_blocks + 1` blocks, requests are hashed at the manager's
     `hash_block_size` (the gcd of the group block sizes), and the manager bounds each request's
     in-flight tokens by `scheduler.max_num_batched_tokens`, as the sizing did.
+    Blocks are keyed by the trace's token runs (`block_keys.TraceBlockHasher`: the same hits
+    as hashing, far cheaper) unless `hash_tokens` is set or KV events are on (their consumers
+    need real digests): then every block's tokens are hashed with `hash_algorithm`.
     """
 
     num_blocks: int
@@ -62,6 +66,7 @@ class ServeConfig:
     num_timeline_points: int = 120
     enable_kv_cache_events: bool = False
     kv_cache_config: KVCacheConfig | None = None
+    hash_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_config is not None and (
@@ -121,11 +126,15 @@ class ServeRun:
             watermark=config.watermark,
         )
         self.scheduler = Scheduler(self.manager, config.scheduler, POLICIES[config.policy]())
-        self.hasher = (
-            make_request_block_hasher(self.manager.hash_block_size, config.hash_algorithm)
-            if config.enable_prefix_caching
-            else None
-        )
+        self.hasher: RequestBlockHasher | None
+        self.trace_hasher: TraceBlockHasher | None = None
+        hash_block_size = self.manager.hash_block_size
+        if not config.enable_prefix_caching:
+            self.hasher = None
+        elif config.hash_tokens or config.enable_kv_cache_events:
+            self.hasher = make_request_block_hasher(hash_block_size, config.hash_algorithm)
+        else:
+            self.hasher = self.trace_hasher = TraceBlockHasher(hash_block_size)
         self.config = config
         self.requests = trace.requests
         self.arrivals = [request.arrival_time_s * config.time_scale for request in self.requests]
@@ -174,6 +183,8 @@ class ServeRun:
 
     def make_request(self, trace_request: TraceRequest, arrival_s: float) -> Request:
         """The request for `trace_request` (hashed, so a router can score it first)."""
+        if self.trace_hasher is not None:
+            self.trace_hasher.register(trace_request.request_id, trace_request)
         return Request(
             trace_request.request_id,
             trace_request.prompt_token_ids(),
@@ -236,6 +247,8 @@ class ServeRun:
 
     def account_finished(self, request: Request) -> None:
         timing = self.timings.pop(request.request_id)
+        if self.trace_hasher is not None:
+            self.trace_hasher.forget(request.request_id)
         first_token_s = timing.first_token_s
         assert first_token_s is not None  # a finished request has sampled a token
         num_output = request.num_output_tokens
