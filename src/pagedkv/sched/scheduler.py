@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from pagedkv.block import KVCacheBlock
 from pagedkv.errors import (
     ConfigError,
     InvalidArgumentError,
@@ -70,6 +71,9 @@ class Scheduler:
         self.waiting = self.policy.make_waiting_queue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        # Hot path: each running request's live block tables (the manager's own lists, which
+        # grow in place until the request is freed), fetched once instead of every step.
+        self._tables: dict[str, tuple[list[KVCacheBlock], ...]] = {}
         self.step_records: list[StepRecord] = []
         self._stop_token_ids = frozenset(config.stop_token_ids)
         self._pending: SchedulerOutput | None = None
@@ -119,6 +123,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self.kv_cache_manager.free(request)
+        self._tables.pop(request_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -196,7 +201,7 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 if victim is request:
                     return budget
-            tables = manager.coordinator.get_blocks(request.request_id)
+            tables = self._tables.get(request.request_id) or self._live_tables(request)
             scheduled.append(
                 ScheduledRequest(request, num_computed, num_new, tables, new_blocks.blocks)
             )
@@ -239,15 +244,24 @@ class Scheduler:
             request.status = _RUNNING
             request.num_computed_tokens = num_hit
             running.append(request)
-            tables = manager.coordinator.get_blocks(request.request_id)
+            tables = self._live_tables(request)
             scheduled.append(ScheduledRequest(request, num_hit, num_new, tables, new_blocks.blocks))
             budget -= num_new
             num_admitted += 1
             num_hit_tokens += num_hit
         return num_admitted, num_hit_tokens, budget
 
+    def _live_tables(self, request: Request) -> tuple[list[KVCacheBlock], ...]:
+        """The request's block tables per group, kept for the next steps when every group has
+        its own table (an empty one could be a placeholder the manager replaces later)."""
+        tables = self.kv_cache_manager.coordinator.get_blocks(request.request_id)
+        if all(tables):
+            self._tables[request.request_id] = tables
+        return tables
+
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: free every block; the cached prefix usually survives."""
+        self._tables.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -315,6 +329,7 @@ class Scheduler:
                     request.status = status
                     manager.free(request)
                     del self.requests[request.request_id]
+                    self._tables.pop(request.request_id, None)
                     finished.append(request)
         if finished:
             self.running[:] = [request for request in self.running if request.status == _RUNNING]
@@ -329,15 +344,18 @@ class Scheduler:
     ) -> list[ScheduledRequest]:
         """Return the scheduled requests still live; raise if the sampled ids do not match."""
         live: list[ScheduledRequest] = []
-        scheduled_ids: set[str] = set()
+        requests = self.requests
+        get_tokens = sampled_token_ids.get
+        num_known = 0  # keys of sampled_token_ids that name a scheduled request
         for item in output.scheduled:
             request = item.request
             request_id = request.request_id
-            scheduled_ids.add(request_id)
-            if self.requests.get(request_id) is not request:
+            tokens = get_tokens(request_id)
+            if tokens is not None:
+                num_known += 1
+            if requests.get(request_id) is not request:
                 continue  # aborted after scheduling
             live.append(item)
-            tokens = sampled_token_ids.get(request_id)
             if item.is_prefill_chunk_complete:
                 if not tokens or isinstance(tokens, (str, bytes)):
                     raise InvalidArgumentError(
@@ -349,7 +367,9 @@ class Scheduler:
                     f"step {output.step_index}: request {request_id!r} is mid-prefill and "
                     f"cannot take sampled token ids, got {tokens!r}"
                 )
-        unknown = set(sampled_token_ids) - scheduled_ids
+        if num_known == len(sampled_token_ids):
+            return live
+        unknown = set(sampled_token_ids) - {item.request.request_id for item in output.scheduled}
         if unknown:
             raise InvalidArgumentError(
                 f"step {output.step_index}: sampled token ids for unscheduled requests "
