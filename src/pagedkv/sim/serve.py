@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,9 +104,16 @@ class _Timing:
 
 
 class ServeRun:
-    """One serve simulation: the clock, the scheduler and the running tallies."""
+    """One serve simulation: the clock, the scheduler and the running tallies.
 
-    def __init__(self, trace: Trace, config: ServeConfig) -> None:
+    With the FCFS policy (and `defer_arrivals`), arrived requests are built and queued only
+    while the scheduler has at most `max_num_seqs` waiting: it admits from the head and at
+    most that many a step, so the batches are the same, and a trace that arrives far faster
+    than it is served never holds every waiting prompt's tokens at once. The waiting counts
+    reported include the requests not built yet.
+    """
+
+    def __init__(self, trace: Trace, config: ServeConfig, *, defer_arrivals: bool = True) -> None:
         kv_cache_config = config.kv_cache_config
         max_in_flight_tokens = None
         if kv_cache_config is None:
@@ -139,6 +147,9 @@ class ServeRun:
         self.requests = trace.requests
         self.arrivals = [request.arrival_time_s * config.time_scale for request in self.requests]
         self.next_index = 0
+        # Arrived (not rejected) requests not given to the scheduler yet, in arrival order.
+        self.arrived: deque[tuple[TraceRequest, float]] = deque()
+        self.defer_arrivals = defer_arrivals and config.policy == "fcfs"
         self.start_s = self.now = self.arrivals[0] if self.arrivals else 0.0
         self.result = ServeResult(summary={})
         self.timings: dict[str, _Timing] = {}
@@ -157,9 +168,9 @@ class ServeRun:
     def run(self, progress: ProgressCallback | None) -> None:
         scheduler = self.scheduler
         num_requests = len(self.requests)
-        while self.next_index < num_requests or scheduler.has_unfinished_requests():
+        while self.next_index < num_requests or scheduler.has_unfinished_requests() or self.arrived:
             self.admit_arrivals()
-            if not scheduler.has_unfinished_requests():
+            if not scheduler.has_unfinished_requests() and not self.arrived:
                 if self.next_index < num_requests:
                     self.now = self.arrivals[self.next_index]  # idle until the next arrival
                 if progress is not None:
@@ -178,8 +189,21 @@ class ServeRun:
             self.next_index += 1
             if trace_request.num_prompt_tokens >= max_model_len:
                 self.totals["rejected"] += 1
-                continue
-            self.add_request(self.make_request(trace_request, arrival_s), trace_request, arrival_s)
+            elif self.defer_arrivals:
+                self.arrived.append((trace_request, arrival_s))
+            else:
+                request = self.make_request(trace_request, arrival_s)
+                self.add_request(request, trace_request, arrival_s)
+
+    def queue_arrived(self) -> None:
+        """Build and queue arrived requests while at most `max_num_seqs` are waiting."""
+        arrived = self.arrived
+        waiting = self.scheduler.waiting
+        max_num_seqs = self.scheduler.config.max_num_seqs
+        while arrived and len(waiting) <= max_num_seqs:
+            trace_request, arrival_s = arrived.popleft()
+            request = self.make_request(trace_request, arrival_s)
+            self.add_request(request, trace_request, arrival_s)
 
     def make_request(self, trace_request: TraceRequest, arrival_s: float) -> Request:
         """The request for `trace_request` (hashed, so a router can score it first)."""
@@ -202,6 +226,8 @@ class ServeRun:
     def step(self) -> int:
         """Run one scheduler step; return how many requests it finished."""
         scheduler = self.scheduler
+        if self.arrived:
+            self.queue_arrived()
         output = scheduler.schedule()
         record = scheduler.step_records[-1]
         if not output.scheduled:
@@ -228,16 +254,17 @@ class ServeRun:
     def account_step(self, record: StepRecord, duration_s: float) -> None:
         """Record the step's state (it holds for `duration_s`) and advance the clock."""
         result, area, peak, totals = self.result, self.area, self.peak, self.totals
+        num_waiting = record.num_waiting + len(self.arrived)
         result.step_start_s.append(self.now)
         result.step_usage.append(record.usage)
         result.step_num_running.append(record.num_running)
-        result.step_num_waiting.append(record.num_waiting)
+        result.step_num_waiting.append(num_waiting)
         area["usage"] += record.usage * duration_s
         area["running"] += record.num_running * duration_s
-        area["waiting"] += record.num_waiting * duration_s
+        area["waiting"] += num_waiting * duration_s
         peak["usage"] = max(peak["usage"], record.usage)
         peak["running"] = max(peak["running"], record.num_running)
-        peak["waiting"] = max(peak["waiting"], record.num_waiting)
+        peak["waiting"] = max(peak["waiting"], num_waiting)
         totals["prefill_tokens"] += record.num_prefill_tokens
         totals["decode_tokens"] += record.num_decode_tokens
         totals["preemptions"] += len(record.preempted_request_ids)
