@@ -12,7 +12,7 @@ import time
 import warnings
 from typing import Any
 
-from pagedkv.cli import _cluster
+from pagedkv.cli import _cluster, _memory
 
 COMMAND = "simulate"
 HELP = "Simulate a request trace: prefix-cache hit rate, memory, preemptions, latency."
@@ -60,18 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim = parser.add_argument_group("simulation")
     sim.add_argument(
         "--mode",
-        choices=("serve", "replay"),
-        default="serve",
-        help="serve: time-stepped serving with the scheduler (default); replay: "
-        "cache-capacity study, one request at a time",
+        choices=("memory", "serve", "replay"),
+        help="memory: serve at several KV-cache sizes and report what each buys (the default "
+        "when no option but --json/--plot/--no-progress/--jobs is given); serve: time-stepped "
+        "serving with the scheduler (the default otherwise); replay: cache-capacity study, one "
+        "request at a time",
     )
     sim.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     sim.add_argument(
         "--capacity",
         metavar="LIST",
         help="KV capacity: blocks (1000, 20k, 1M) or tokens (4Mtok); replay "
-        "takes a comma-separated sweep and 'unlimited'; serve takes one value "
-        "(default: what the profile's GPU memory holds)",
+        "takes a comma-separated sweep and 'unlimited', the memory study a list of sizes; "
+        "serve takes one value (default: what the profile's GPU memory holds)",
     )
     sim.add_argument(
         "--model",
@@ -102,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--jobs",
         type=int,
         metavar="N",
-        help="worker processes for a replay sweep of several capacities (default: one per "
-        "core; 1: in this process)",
+        help="worker processes for a replay sweep or a memory study (default: one per core; "
+        "1: in this process)",
     )
 
     serve = parser.add_argument_group("serve mode")
@@ -127,8 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--time-scale",
         type=float,
-        default=1.0,
-        help="multiply arrival times (0.5 = twice the request rate; default 1)",
+        help="multiply arrival times (0.5 = twice the request rate; default 1, or in the "
+        "memory study the scale at which the GPU is about 70 %% busy)",
     )
     serve.add_argument(
         "--max-model-len",
@@ -188,6 +189,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     output.add_argument("--no-progress", action="store_true", help="never show a progress bar")
     _cluster.add_arguments(parser)
+    # Every option's default, to tell a run with no simulation option (the memory study).
+    parser.set_defaults(_option_defaults=vars(parser.parse_args([])))
+
+
+# Options that change only how results are shown or computed, not what is simulated.
+_OUTPUT_OPTIONS = frozenset({"json", "plot", "no_progress", "jobs"})
+
+
+def _resolve_mode(args: argparse.Namespace) -> str:
+    """`--mode`, or memory when no simulation option is given, else serve."""
+    if args.mode is not None:
+        return str(args.mode)
+    defaults = getattr(args, "_option_defaults", {})
+    for name, default in defaults.items():
+        if name in _OUTPUT_OPTIONS or name.startswith("_") or name == "mode":
+            continue
+        if getattr(args, name, default) != default:
+            return "serve"
+    return "memory"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,6 +229,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.list_profiles:
         _print_profiles(cost_model)
         return 0
+    args.mode = _resolve_mode(args)
+    if args.mode == "memory" and not (args.trace or args.workload or args.num_requests):
+        args.num_requests = _memory.DEFAULT_NUM_REQUESTS  # a few seconds for the whole study
     if args.block_size < 1:
         raise _error(f"--block-size must be >= 1, got {args.block_size}")
     if args.mode == "replay" and (args.profile or args.cost):
@@ -226,12 +249,19 @@ def _run(args: argparse.Namespace) -> int:
         raise _error("--model is not supported with a cluster (--instances) yet")
     trace = _load(args)
     show_progress = not (args.json or args.no_progress) and sys.stderr.isatty()
+
+    def make_progress(total: int, label: str) -> _Progress:
+        return _Progress(total, label, show_progress)
+
     if _cluster.wanted(args):
         config, profile_name = _serve_config(args, cost_model)
-        return _cluster.run(
-            args, trace, config, profile_name, lambda n, label: _Progress(n, label, show_progress)
+        return _cluster.run(args, trace, config, profile_name, make_progress)
+    plot = None
+    if args.mode == "memory":
+        the_report, speed = _memory.run(
+            args, trace, cost_model, _serve_config, make_progress, _max_workers(args)
         )
-    if args.mode == "replay":
+    elif args.mode == "replay":
         the_report, speed, plot = _replay(args, trace, show_progress)
     else:
         the_report, speed, plot = _serve(args, trace, cost_model, show_progress)
@@ -244,7 +274,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     else:
         _print_table(report, the_report, speed)
-    if args.plot:
+    if args.plot and plot is not None:
         plot(args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
@@ -411,7 +441,7 @@ def _serve_config(args: argparse.Namespace, cost_model: Any) -> tuple[Any, str |
         block_size=args.block_size,
         max_model_len=max_model_len,
         policy=args.policy,
-        time_scale=args.time_scale,
+        time_scale=1.0 if args.time_scale is None else args.time_scale,
         enable_prefix_caching=not args.no_prefix_caching,
         watermark=args.watermark,
         hash_algorithm=args.hash_algorithm,

@@ -18,6 +18,7 @@ from pagedkv.errors import (
     RequestStateError,
 )
 from pagedkv.kv_cache_manager import KVCacheManager
+from pagedkv.managers import FullAttentionManager
 from pagedkv.request import Request, RequestStatus
 from pagedkv.sched.config import SchedulerConfig
 from pagedkv.sched.output import ScheduledRequest, SchedulerOutput, StepRecord
@@ -44,7 +45,12 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         config: SchedulerConfig | None = None,
         policy: SchedulingPolicy | None = None,
+        *,
+        batched_decode: bool = True,
     ) -> None:
+        """`batched_decode=False` gives decoding requests their slots one `allocate_slots` call
+        at a time, the reference that the batched path (one full-attention group only) equals.
+        """
         if not isinstance(kv_cache_manager, KVCacheManager):
             raise ConfigError(
                 f"kv_cache_manager must be a KVCacheManager, got {kv_cache_manager!r}"
@@ -74,6 +80,14 @@ class Scheduler:
         # Hot path: each running request's live block tables (the manager's own lists, which
         # grow in place until the request is freed), fetched once instead of every step.
         self._tables: dict[str, tuple[list[KVCacheBlock], ...]] = {}
+        managers = kv_cache_manager.coordinator.single_type_managers
+        # Decodes in one manager call: one full-attention group, blocks cached as they fill.
+        self._batched_decode = (
+            batched_decode
+            and not config.async_caching
+            and len(managers) == 1
+            and type(managers[0]) is FullAttentionManager
+        )
         self.step_records: list[StepRecord] = []
         self._stop_token_ids = frozenset(config.stop_token_ids)
         self._pending: SchedulerOutput | None = None
@@ -169,7 +183,8 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         max_model_len = self.max_model_len
         delay_cache = self.config.async_caching
-        index = 0
+        index = self._schedule_decodes(scheduled, budget) if self._batched_decode else 0
+        budget -= index
         while index < len(running) and budget > 0:
             request = running[index]
             num_computed = request.num_computed_tokens
@@ -208,6 +223,45 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
+
+    def _schedule_decodes(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        """Schedule the leading running requests that each decode one token, in one
+        `allocate_decode_slots` call (the same as `allocate_slots(request, 1)` for each, in
+        order, up to the first that does not fit); return how many got their slot.
+
+        Only with one full-attention group, where a decode's new block (at most one) is the
+        last of its table.
+        """
+        running = self.running
+        max_model_len = self.max_model_len
+        limit = min(len(running), budget)
+        count = 0
+        while count < limit:
+            request = running[count]
+            num_computed = request.num_computed_tokens
+            if request.num_tokens - num_computed != 1 or num_computed >= max_model_len:
+                break
+            count += 1
+        if count == 0:
+            return 0
+        batch = running[:count]
+        num_allocated, with_new_blocks = self.kv_cache_manager.allocate_decode_slots(batch)
+        no_new_blocks = self.kv_cache_manager.empty_kv_cache_blocks.blocks
+        with_new = iter(with_new_blocks)
+        next_with_new = next(with_new, None)
+        tables_of = self._tables
+        # Hot path: one ScheduledRequest per decoding request, nothing else.
+        for request in batch[:num_allocated]:
+            tables = tables_of.get(request.request_id) or self._live_tables(request)
+            if request is next_with_new:
+                new_blocks: tuple = (tables[0][-1:],)
+                next_with_new = next(with_new, None)
+            else:
+                new_blocks = no_new_blocks
+            scheduled.append(
+                ScheduledRequest(request, request.num_computed_tokens, 1, tables, new_blocks)
+            )
+        return num_allocated
 
     def _schedule_waiting(
         self, scheduled: list[ScheduledRequest], budget: int

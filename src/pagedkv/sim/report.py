@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pagedkv.sim.memory_report import memory_rows
 from pagedkv.sim.replay import ReplayPoint
 from pagedkv.sim.serve import ServeConfig, ServeResult
 from pagedkv.sim.traces import Trace
@@ -180,6 +181,10 @@ def _rows(
             notes.append(
                 ("block size", f"{config['block_size']} tokens ({config['hash_algorithm']})")
             )
+    elif report["mode"] == "memory":
+        header, rows = memory_rows(report, notes)
+        if "plot" in report:
+            notes.append(("plot", report["plot"]))
     else:
         header, rows = _serve_rows(report, notes)
     if speed is not None:
