@@ -127,11 +127,17 @@ def run(
         },
         "results": summaries,
     }
+    num_simulated = trace.num_prompt_tokens * len(policies)
     try:
         if args.json:
             sys.stdout.write(json.dumps(report, indent=2) + "\n")
+            print(
+                f"simulated {num_simulated:,} prompt tokens in {wall_s:.1f} s "
+                f"({num_simulated / wall_s if wall_s > 0 else 0:,.0f} tokens/s)",
+                file=sys.stderr,
+            )
         else:
-            sys.stdout.write(render_text(report, wall_s))
+            sys.stdout.write(render_text(report, wall_s, num_simulated))
         sys.stdout.flush()
         if server is not None and args.metrics_linger_s > 0:
             time.sleep(args.metrics_linger_s)
@@ -156,7 +162,7 @@ class _Offset:
         self.progress(self.base + num_done)
 
 
-def render_text(report: dict[str, Any], wall_s: float) -> str:
+def render_text(report: dict[str, Any], wall_s: float, num_prompt_tokens_simulated: int) -> str:
     trace, config = report["trace"], report["config"]
     lines = [
         f"pagedkv simulate (cluster): {trace['name']}: {trace['num_requests']:,} requests, "
@@ -183,7 +189,9 @@ def render_text(report: dict[str, Any], wall_s: float) -> str:
         "",
         "hit rate: prefix-cache token hit rate over all instances; busy: simulated step time",
         f"router index equals every instance's cache at the end: {'yes' if consistent else 'NO'}",
-        f"simulator speed: {wall_s:.1f} s wall",
+        f"simulator speed: {wall_s:.1f} s wall, "
+        f"{num_prompt_tokens_simulated / wall_s if wall_s > 0 else 0:,.0f} simulated prompt "
+        "tokens/s",
         "",
     ]
     return "\n".join(lines)

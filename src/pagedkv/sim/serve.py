@@ -176,8 +176,9 @@ class ServeRun:
                 if progress is not None:
                     progress(self.num_done)
                 continue
-            if self.step() and progress is not None:
-                progress(self.num_done)
+            self.step()
+            if progress is not None:
+                progress(self.num_done)  # every step: a bar moves even before the first finish
 
     def admit_arrivals(self) -> None:
         """Add every request that has arrived by now (reject prompts with no room to answer)."""
