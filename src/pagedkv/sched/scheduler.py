@@ -326,10 +326,16 @@ class Scheduler:
         self, output: SchedulerOutput, num_admitted: int, num_hit_tokens: int
     ) -> StepRecord:
         num_prefill = num_decode = num_kv_read = num_pairs = 0
+        request_ids = []
+        num_tokens = []
+        # Hot path: one pass over the batch for the counts and both id/token lists.
         for item in output.scheduled:
             num_computed = item.num_computed_tokens
             num_new = item.num_scheduled_tokens
-            if num_new == 1 and num_computed >= item.request.num_prompt_tokens:
+            request = item.request
+            request_ids.append(request.request_id)
+            num_tokens.append(num_new)
+            if num_new == 1 and num_computed >= request.num_prompt_tokens:
                 num_decode += 1
             else:
                 num_prefill += num_new
@@ -337,8 +343,8 @@ class Scheduler:
             num_kv_read += num_computed + num_new
         return StepRecord(
             step_index=output.step_index,
-            scheduled_request_ids=tuple([item.request.request_id for item in output.scheduled]),
-            num_scheduled_tokens=tuple([item.num_scheduled_tokens for item in output.scheduled]),
+            scheduled_request_ids=tuple(request_ids),
+            num_scheduled_tokens=tuple(num_tokens),
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,
             num_kv_tokens_read=num_kv_read,
@@ -371,6 +377,8 @@ class Scheduler:
         live = self._validate_sampled(output, sampled_token_ids)
         manager = self.kv_cache_manager
         async_caching = self.config.async_caching and manager.enable_caching
+        one_token_fast = not self._stop_token_ids
+        max_model_len = self.max_model_len
         finished: list[Request] = []
         for item in live:
             request = item.request
@@ -378,7 +386,20 @@ class Scheduler:
             if async_caching:
                 manager.cache_blocks(request, request.num_computed_tokens)
             if item.is_prefill_chunk_complete:
-                status = self._append_sampled(request, sampled_token_ids[request.request_id])
+                tokens = sampled_token_ids[request.request_id]
+                if one_token_fast and len(tokens) == 1:
+                    # Hot path: `_append_sampled` for one token and no stop ids: finished
+                    # once the request reaches max_model_len or max_tokens.
+                    request.append_output_token_ids(tokens[0])
+                    max_tokens = request.max_tokens
+                    if request.num_tokens < max_model_len and (
+                        max_tokens is None
+                        or request.num_tokens - request.num_prompt_tokens < max_tokens
+                    ):
+                        continue
+                    status: RequestStatus | None = RequestStatus.FINISHED_LENGTH_CAPPED
+                else:
+                    status = self._append_sampled(request, tokens)
                 if status is not None:
                     request.status = status
                     manager.free(request)
