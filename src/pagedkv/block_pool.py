@@ -140,8 +140,8 @@ class BlockPool:
         collector = self.metrics_collector
         if self.enable_caching:
             if collector is None:
-                # Hot path: lazy eviction inlined for the common case (no metrics, no duplicate
-                # hashes in the group); anything else takes the general method.
+                # Hot path: lazy eviction inlined for the common case (no metrics, a hash without
+                # duplicates); anything else takes the general method.
                 hash_maps = self.hash_to_block
                 duplicates = self._duplicates
                 # Events on: one BlockRemoved per removed key, as in the general method.
@@ -152,7 +152,11 @@ class BlockPool:
                     block_hash = block.block_hash
                     if block_hash is not None:
                         group_id = block.hash_group_id
-                        if duplicates[group_id]:
+                        # Only a hash with duplicates needs the general method (the block may
+                        # be a duplicate, or a primary with one to promote); any other cached
+                        # block is its hash's map entry.
+                        group_duplicates = duplicates[group_id]
+                        if group_duplicates and block_hash in group_duplicates:
                             self._maybe_evict_cached_block(block)
                         else:
                             if hash_maps[group_id].pop(block_hash, None) is not block:
