@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import islice, takewhile
 from operator import is_not
+from typing import cast
 
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockPool
@@ -73,11 +74,13 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         pool = self.block_pool
         hits: list[KVCacheBlock] = []
         if self.enable_caching:
+            get: Callable[[BlockHash], KVCacheBlock | None]
             get = pool.hash_to_block[self.kv_cache_group_id].get
             num_probes = min((num_tokens - 1) // block_size, len(block_hashes))
             # Hot path: probe in C until the first miss (chained hashes: every later block
-            # misses too).
-            hits = list(takewhile(_is_block, map(get, islice(block_hashes, num_probes))))
+            # misses too); takewhile drops the None that stops it.
+            found = takewhile(_is_block, map(get, islice(block_hashes, num_probes)))
+            hits = cast(list[KVCacheBlock], list(found))
         num_hits = len(hits)
         num_blocks = -(-num_tokens // block_size)
         num_free = pool.free_block_queue.num_free_blocks
