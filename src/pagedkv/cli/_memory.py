@@ -49,14 +49,14 @@ def run(
         num_blocks_list = sorted({max(1, int(gpu_num_blocks * f)) for f in fractions})
     base_args = argparse.Namespace(**{**vars(args), "capacity": None, "time_scale": 1.0})
     base, profile_name = serve_config(base_args, cost_model)
-    if args.time_scale is None:
-        time_scale = memory_study.carried_time_scale(
-            trace, base.cost_model, base.scheduler.max_num_batched_tokens
-        )
-        busy_s = memory_study.estimate_busy_s(
-            trace, base.cost_model, base.scheduler.max_num_batched_tokens
-        )
-        busy = busy_s / (time_scale * trace.duration_s) if trace.duration_s > 0 else 0.0
+    if args.time_scale is None and trace.duration_s <= 0:
+        time_scale = 1.0
+        note = "every request arrives at once (the trace has no duration)"
+    elif args.time_scale is None:
+        num_batched_tokens = base.scheduler.max_num_batched_tokens
+        time_scale = memory_study.carried_time_scale(trace, base.cost_model, num_batched_tokens)
+        busy_s = memory_study.estimate_busy_s(trace, base.cost_model, num_batched_tokens)
+        busy = busy_s / (time_scale * trace.duration_s)
         note = (
             f"arrivals {time_scale:g}x slower than the trace, so the GPU is busy about "
             f"{100 * busy:.0f} % of the time without prefix hits (roofline estimate); "

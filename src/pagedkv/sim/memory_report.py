@@ -115,7 +115,7 @@ def memory_rows(
     for result in report["results"]:
         rows.append(
             [
-                f"{result['kv_memory_bytes'] / GIB:,.1f} GiB",
+                _bytes(result["kv_memory_bytes"]),
                 f"{result['capacity_tokens']:,}",
                 f"{100 * result['hit_rate']:.2f} %",
                 _seconds(result["ttft_s"]["p50"]),
@@ -131,7 +131,7 @@ def memory_rows(
     notes.append(
         (
             "setup",
-            f"{profile}; its GPU holds {gpu_bytes / GIB:,.1f} GiB of KV cache "
+            f"{profile}; its GPU holds {_bytes(gpu_bytes)} of KV cache "
             f"({config['gpu_num_blocks'] * config['block_size']:,} tokens); block size "
             f"{config['block_size']}; {config['policy']}, batch "
             f"{config['scheduler']['max_num_batched_tokens']:,} tokens / "
@@ -155,16 +155,23 @@ def _answer(report: dict[str, Any], gpu_bytes: int) -> str:
     largest = results[-1]
     where = "fits on the GPU" if chosen["kv_memory_bytes"] <= gpu_bytes else "more than the GPU"
     answer = (
-        f"{chosen['kv_memory_bytes'] / GIB:,.1f} GiB ({where}) serves as many requests as the "
+        f"{_bytes(chosen['kv_memory_bytes'])} ({where}) serves as many requests as the "
         f"largest size, with a p50 TTFT within {NEEDS_TTFT_FACTOR:g}x of its"
     )
     if chosen is largest:
         return answer
     gain = 100 * (largest["hit_rate"] - chosen["hit_rate"])
-    more = f"{largest['kv_memory_bytes'] / GIB:,.1f} GiB"
+    more = _bytes(largest["kv_memory_bytes"])
     if abs(gain) < 0.05:
         return f"{answer}; {more} would not change the prefix-cache hit rate"
     return f"{answer}; {more} would move the hit rate by {gain:+.1f} points"
+
+
+def _bytes(num_bytes: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:,.1f} {unit}"
+    return f"{num_bytes:,.0f} B"
 
 
 def _seconds(value: float) -> str:
