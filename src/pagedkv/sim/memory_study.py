@@ -21,8 +21,9 @@ from pagedkv.sim.processes import JobProgress, ProgressCallback
 from pagedkv.sim.serve import ServeConfig, ServeRun
 from pagedkv.sim.traces import Trace
 
-# KV memory per row, as fractions of what the profile's GPU holds after the weights.
-MEMORY_FRACTIONS = (0.125, 0.25, 0.5, 1.0, 2.0)
+# KV memory per row, as fractions of what the profile's GPU holds after the weights: four
+# sizes, so two cores serve them in two rounds.
+MEMORY_FRACTIONS = (0.25, 0.5, 1.0, 2.0)
 # Share of the time the GPU would be busy serving the trace without prefix hits.
 TARGET_BUSY_FRACTION = 0.7
 
