@@ -376,3 +376,41 @@ def test_config_errors_at_construction():
         )
     with pytest.raises(ConfigError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batched_decode_equals_one_call_per_request(seed):
+    # A small pool, shared prefixes and several running requests: decodes run out of blocks
+    # mid-batch, so preemptions land before, inside and after the batched run.
+    rng = random.Random(seed)
+    prefixes = [[1] * 8, [2] * 6, []]
+    requests = [
+        (
+            rng.choice(prefixes) + [rng.randrange(50, 90) for _ in range(rng.randrange(1, 9))],
+            rng.randrange(4, 14),
+        )
+        for _ in range(14)
+    ]
+    outputs = []
+    for batched in (True, False):
+        scheduler = Scheduler(
+            make_manager(12, max_model_len=40),
+            SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=5),
+            batched_decode=batched,
+        )
+        for index, (prompt, max_tokens) in enumerate(requests):
+            scheduler.add_request(make_request(f"r{index}", prompt, max_tokens=max_tokens))
+        steps = []
+        while scheduler.has_unfinished_requests():
+            output, finished = step(scheduler)
+            steps.append(
+                (
+                    batch(output),
+                    [item.new_block_ids for item in output.scheduled],
+                    output.preempted_request_ids,
+                    [request.request_id for request in finished],
+                )
+            )
+        outputs.append(steps)
+    assert outputs[0] == outputs[1]
+    assert any(preempted for _, _, preempted, _ in outputs[0])

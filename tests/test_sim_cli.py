@@ -22,9 +22,10 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.timeout(120)
-def test_no_argument_run_serves_the_shipped_sample(capsys):
-    # The real default path: the packaged 1,000-request Mooncake sample, default profile.
-    code, out, _ = run_cli(capsys)
+def test_serve_mode_serves_the_shipped_sample(capsys):
+    # The packaged 1,000-request Mooncake sample, default profile (the no-argument run before
+    # the memory study became the default: tests/test_sim_memory.py).
+    code, out, _ = run_cli(capsys, "--mode", "serve")
     out = " ".join(out.split())  # the table may wrap long lines
     assert code == 0
     assert "mooncake_conversation_sample.jsonl: 1,000 requests, 13,732,944 prompt tokens" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,7 @@ from pagedkv.sim.cost_model import (
     get_profile,
     parse_cost_overrides,
 )
-from pagedkv.sim.serve import ServeConfig, percentile, simulate_serving
+from pagedkv.sim.serve import ServeConfig, ServeRun, percentile, simulate_serving
 from pagedkv.sim.traces import load_trace
 
 ONE_SECOND_PER_STEP = LinearCostModel(1.0, 0.0, 0.0, 0.0)
@@ -161,3 +162,26 @@ def test_cost_model_arithmetic_and_overrides():
         parse_cost_overrides("fast")
     with pytest.raises(ConfigError, match=">= 0"):
         LinearCostModel(-1.0, 0.0, 0.0, 0.0)
+
+
+def test_deferred_arrivals_change_nothing():
+    # Overloaded (every arrival at once, 3 sequences a step, a small pool with preemptions):
+    # building requests only as the waiting queue drains gives the very same run.
+    trace = load_trace(Path(__file__).parent / "data" / "mooncake_conversations46.jsonl")
+    config = ServeConfig(
+        num_blocks=700,
+        cost_model=get_profile("llama3.1-8b-h100").cost_model(),
+        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=3),
+        max_model_len=700 * 16,
+        time_scale=0.001,
+    )
+    summaries, runs = [], []
+    for defer in (True, False):
+        run = ServeRun(trace, config, defer_arrivals=defer)
+        run.run(None)
+        summaries.append(run.summary())
+        runs.append(run)
+    assert summaries[0] == summaries[1]
+    assert summaries[0]["num_waiting"]["peak"] > 20
+    assert summaries[0]["preemptions"]["num_preemptions"] > 0
+    assert list(runs[0].result.step_num_waiting) == list(runs[1].result.step_num_waiting)

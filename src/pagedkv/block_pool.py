@@ -169,8 +169,8 @@ class BlockPool:
         collector = self.metrics_collector
         if self.enable_caching:
             if collector is None and self.host_tier is None:
-                # Hot path: lazy eviction inlined for the common case (no metrics, no duplicate
-                # hashes in the group); anything else takes the general method.
+                # Hot path: lazy eviction inlined for the common case (no metrics, no host tier,
+                # a hash without duplicates); anything else takes the general method.
                 hash_maps = self.hash_to_block
                 duplicates = self._duplicates
                 # Events on: one BlockRemoved per removed key, as in the general method.
@@ -181,7 +181,11 @@ class BlockPool:
                     block_hash = block.block_hash
                     if block_hash is not None:
                         group_id = block.hash_group_id
-                        if duplicates[group_id]:
+                        # Only a hash with duplicates needs the general method (the block may
+                        # be a duplicate, or a primary with one to promote); any other cached
+                        # block is its hash's map entry.
+                        group_duplicates = duplicates[group_id]
+                        if group_duplicates and block_hash in group_duplicates:
                             self._maybe_evict_cached_block(block)
                         else:
                             if hash_maps[group_id].pop(block_hash, None) is not block:
@@ -292,7 +296,7 @@ class BlockPool:
 
     def cache_full_blocks(
         self,
-        request: Request,
+        request: Request | None,
         blocks: Sequence[KVCacheBlock],
         block_hashes: Sequence[BlockHash],
         num_cached_blocks: int,
@@ -303,15 +307,18 @@ class BlockPool:
         """Enter blocks [num_cached_blocks, num_full_blocks) of a request into the cache.
 
         `block_hashes` are the request's hashes at this group's block size. Null blocks are
-        skipped. Emits one `BlockStored` covering the newly cached blocks.
+        skipped. Emits one `BlockStored` covering the newly cached blocks. `request` may be
+        None only with events off (a prompt replayed by its keys alone has no token ids).
         """
         if num_cached_blocks >= num_full_blocks:
             return
         if len(block_hashes) < num_full_blocks:
             raise InvariantViolation(
-                f"request {request.request_id!r} has {len(block_hashes)} block hashes, "
-                f"{num_full_blocks} needed to cache its full blocks"
+                f"request {request.request_id if request else None!r} has {len(block_hashes)} "
+                f"block hashes, {num_full_blocks} needed to cache its full blocks"
             )
+        if request is None and self.enable_kv_cache_events:
+            raise InvariantViolation("a BlockStored event needs the request's token ids")
         hash_map = self.hash_to_block[kv_cache_group_id]
         setdefault = hash_map.setdefault
         null_block = self.null_block
@@ -355,6 +362,7 @@ class BlockPool:
                     new_hashes.append(block_hash)
                     new_indices.append(index)
         if new_hashes:
+            assert request is not None  # refused above when events are on
             event = self._block_stored_event(
                 request,
                 block_hashes,

@@ -200,11 +200,17 @@ def run(
         },
         "results": summaries,
     }
+    num_simulated = trace.num_prompt_tokens * len(policies)
     try:
         if args.json:
             sys.stdout.write(json.dumps(report, indent=2) + "\n")
+            print(
+                f"simulated {num_simulated:,} prompt tokens in {wall_s:.1f} s "
+                f"({num_simulated / wall_s if wall_s > 0 else 0:,.0f} tokens/s)",
+                file=sys.stderr,
+            )
         else:
-            sys.stdout.write(render_text(report, wall_s))
+            sys.stdout.write(render_text(report, wall_s, num_simulated))
         sys.stdout.flush()
         if server is not None and args.metrics_linger_s > 0:
             time.sleep(args.metrics_linger_s)
@@ -247,7 +253,7 @@ def _seconds(value: float | None, width: int, digits: int) -> str:
     return f"{'n/a':>{width + 1}}" if value is None else f"{value:>{width}.{digits}f}s"
 
 
-def render_text(report: dict[str, Any], wall_s: float) -> str:
+def render_text(report: dict[str, Any], wall_s: float, num_prompt_tokens_simulated: int) -> str:
     trace, config = report["trace"], report["config"]
     lines = [
         f"pagedkv simulate (cluster): {trace['name']}: {trace['num_requests']:,} requests, "
@@ -302,5 +308,6 @@ def render_text(report: dict[str, Any], wall_s: float) -> str:
                 f"{routing['index_recoveries']} recovered; {routing['fallback_decisions']} "
                 f"routing decisions fell back to least-loaded"
             )
-    lines += [f"simulator speed: {wall_s:.1f} s wall", ""]
+    rate = num_prompt_tokens_simulated / wall_s if wall_s > 0 else 0.0
+    lines += [f"simulator speed: {wall_s:.1f} s wall, {rate:,.0f} simulated prompt tokens/s", ""]
     return "\n".join(lines)

@@ -12,7 +12,7 @@ import time
 import warnings
 from typing import Any
 
-from pagedkv.cli import _checks, _cluster, _eviction
+from pagedkv.cli import _checks, _cluster, _eviction, _memory
 from pagedkv.cli._checks import float_in, int_at_least
 from pagedkv.cli._interrupt import StopOnCtrlC
 
@@ -21,6 +21,7 @@ HELP = "Simulate a request trace: prefix-cache hit rate, memory, preemptions, la
 
 SAMPLE_TRACE = "mooncake_conversation_sample.jsonl"
 _PROGRESS_DELAY_S = 1.0
+_UNWRAPPED_WIDTH = 500  # columns rich may use when stdout is no terminal
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,10 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim = parser.add_argument_group("simulation")
     sim.add_argument(
         "--mode",
-        choices=("serve", "replay"),
-        default="serve",
-        help="serve: time-stepped serving with the scheduler (default); replay: "
-        "cache-capacity study, one request at a time",
+        choices=("memory", "serve", "replay"),
+        help="memory: serve at several KV-cache sizes and report what each buys (the default "
+        "when no option but --json/--plot/--no-progress/--jobs is given); serve: time-stepped "
+        "serving with the scheduler (the default otherwise); replay: cache-capacity study, one "
+        "request at a time",
     )
     sim.add_argument(
         "--block-size", type=int_at_least(1), default=16, help="tokens per block (default 16)"
@@ -73,8 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--capacity",
         metavar="LIST",
         help="KV capacity: blocks (1000, 20k, 1M) or tokens (4Mtok); replay "
-        "takes a comma-separated sweep and 'unlimited'; serve takes one value "
-        "(default: what the profile's GPU memory holds)",
+        "takes a comma-separated sweep and 'unlimited', the memory study a list of sizes; "
+        "serve takes one value (default: what the profile's GPU memory holds)",
     )
     sim.add_argument(
         "--model",
@@ -93,6 +95,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="sha256",
         choices=("sha256", "sha256_cbor", "xxh3_128"),
         help="prefix-cache hash (default sha256)",
+    )
+    sim.add_argument(
+        "--hash-tokens",
+        action="store_true",
+        help="hash every block's tokens (--hash-algorithm) instead of keying blocks by the "
+        "trace's token runs: the same hits, several times slower (a cluster always hashes: "
+        "its KV events carry the digests)",
+    )
+    sim.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="worker processes for a replay sweep or a memory study (default: one per core; "
+        "1: in this process)",
     )
 
     serve = parser.add_argument_group("serve mode")
@@ -116,8 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--time-scale",
         type=float_in(0, open_minimum=True),
-        default=1.0,
-        help="multiply arrival times (0.5 = twice the request rate; default 1)",
+        help="multiply arrival times (0.5 = twice the request rate; default 1, or in the "
+        "memory study the scale at which the GPU is about 70 %% busy)",
     )
     serve.add_argument(
         "--max-model-len",
@@ -178,6 +194,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--no-progress", action="store_true", help="never show a progress bar")
     _cluster.add_arguments(parser)
     _eviction.add_arguments(parser)
+    # Every option's default, to tell a run with no simulation option (the memory study).
+    parser.set_defaults(_option_defaults=vars(parser.parse_args([])))
+
+
+# Options that change only how results are shown or computed, not what is simulated.
+_OUTPUT_OPTIONS = frozenset({"json", "plot", "no_progress", "jobs"})
+
+
+def _resolve_mode(args: argparse.Namespace) -> str:
+    """`--mode`, or memory when no simulation option is given, else serve."""
+    if args.mode is not None:
+        return str(args.mode)
+    defaults = getattr(args, "_option_defaults", {})
+    for name, default in defaults.items():
+        if name in _OUTPUT_OPTIONS or name.startswith("_") or name == "mode":
+            continue
+        if getattr(args, name, default) != default:
+            return "serve"
+    return "memory"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,6 +234,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.list_profiles:
         _print_profiles(cost_model)
         return 0
+    args.mode = _resolve_mode(args)
+    if args.mode == "memory" and not (args.trace or args.workload or args.num_requests):
+        args.num_requests = _memory.DEFAULT_NUM_REQUESTS  # a few seconds for the whole study
     if args.mode == "replay" and (args.profile or args.cost):
         raise _error("--profile and --cost apply to --mode serve only")
     if args.memory and not args.model:
@@ -221,15 +259,20 @@ def _run(args: argparse.Namespace) -> int:
     trace = _load(args)
     _checks.check_simulate_trace(args, trace)
     show_progress = not (args.json or args.no_progress) and sys.stderr.isatty()
+
+    def make_progress(total: int, label: str) -> _Progress:
+        return _Progress(total, label, show_progress)
+
     if _cluster.wanted(args):
         config, profile_name = _serve_config(args, cost_model)
-        return _cluster.run(
-            args, trace, config, profile_name, lambda n, label: _Progress(n, label, show_progress)
+        return _cluster.run(args, trace, config, profile_name, make_progress)
+    plot = None
+    if args.mode == "memory":
+        the_report, speed = _memory.run(
+            args, trace, cost_model, _serve_config, make_progress, _max_workers(args)
         )
-    if args.mode == "replay" and _eviction.wanted(args):
-        the_report, speed, plot = _eviction.replay(
-            args, trace, lambda n, label: _Progress(n, label, show_progress)
-        )
+    elif args.mode == "replay" and _eviction.wanted(args):
+        the_report, speed, plot = _eviction.replay(args, trace, make_progress)
     elif args.mode == "replay":
         the_report, speed, plot = _replay(args, trace, show_progress)
     else:
@@ -243,7 +286,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     else:
         _print_table(report, the_report, speed)
-    if args.plot:
+    if args.plot and plot is not None:
         plot(args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     interrupted = args.mode == "serve" and the_report["results"].get("interrupted", False)
@@ -311,6 +354,8 @@ def _replay(args: argparse.Namespace, trace: Any, show_progress: bool) -> tuple:
             args.hash_algorithm,
             progress,
             kv_cache_groups=groups,
+            hash_tokens=args.hash_tokens,
+            max_workers=_max_workers(args),
         )
     finally:
         progress.close()
@@ -327,6 +372,16 @@ def _replay(args: argparse.Namespace, trace: Any, show_progress: bool) -> tuple:
         plot_replay(the_report, path)
 
     return the_report, speed, plot
+
+
+def _max_workers(args: argparse.Namespace) -> int:
+    from pagedkv.sim.processes import default_max_workers
+
+    if args.jobs is None:
+        return default_max_workers()
+    if args.jobs < 1:
+        raise _error(f"--jobs must be >= 1, got {args.jobs}")
+    return args.jobs
 
 
 def _serve(args: argparse.Namespace, trace: Any, cost_model: Any, show_progress: bool) -> tuple:
@@ -400,12 +455,13 @@ def _serve_config(args: argparse.Namespace, cost_model: Any) -> tuple[Any, str |
         block_size=args.block_size,
         max_model_len=max_model_len,
         policy=args.policy,
-        time_scale=args.time_scale,
+        time_scale=1.0 if args.time_scale is None else args.time_scale,
         enable_prefix_caching=not args.no_prefix_caching,
         watermark=args.watermark,
         hash_algorithm=args.hash_algorithm,
         kv_cache_config=kv_cache_config,
         **_eviction.serve_options(args, profile),
+        hash_tokens=args.hash_tokens,
     )
     return config, profile.name if not args.cost else None
 
@@ -478,7 +534,9 @@ def _print_table(report_module: Any, the_report: dict, speed: Any) -> None:
         ascii_only = "utf" not in encoding
         sys.stdout.write(report_module.render_text(the_report, speed, ascii_only=ascii_only))
         return
-    report_module.render_rich(the_report, speed, Console())
+    # Piped or redirected: no terminal width to fit, so never wrap (rich would assume 80).
+    width = None if sys.stdout.isatty() else _UNWRAPPED_WIDTH
+    report_module.render_rich(the_report, speed, Console(width=width))
 
 
 def _print_profiles(cost_model: Any) -> None:

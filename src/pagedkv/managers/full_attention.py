@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from itertools import islice, takewhile
+from operator import is_not
+from typing import cast
 
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockPool
 from pagedkv.hashing import resolve_block_hashes
 from pagedkv.managers.base import SingleTypeKVCacheManager
 from pagedkv.specs import KVCacheSpec, cdiv
+
+_is_block = partial(is_not, None)  # a C-level "found" test for dict.get results
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
@@ -52,6 +58,57 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             for group_hits in computed:
                 del group_hits[num_kept:]
         return computed, hit_length
+
+    def prefill_and_free(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> int | None:
+        """Serve a prompt as a request that holds no blocks and finishes at once.
+
+        The same pool calls, in the same order and with the same arguments, as the facade's
+        `get_computed_blocks`, `allocate_slots(request, num_tokens - hit, hit, hit_blocks,
+        has_scheduled_reqs=False)` and `free` of such a request, with no table entry in
+        between. The caller has checked the arguments (at least `num_tokens // block_size`
+        hashes when caching).
+
+        Returns the hit length in tokens, or None if the prompt does not fit (nothing changed).
+        """
+        block_size = self.block_size
+        pool = self.block_pool
+        hits: list[KVCacheBlock] = []
+        if self.enable_caching:
+            get: Callable[[BlockHash], KVCacheBlock | None]
+            get = pool.hash_to_block[self.kv_cache_group_id].get
+            num_probes = min((num_tokens - 1) // block_size, len(block_hashes))
+            # Hot path: probe in C until the first miss (chained hashes: every later block
+            # misses too); takewhile drops the None that stops it.
+            found = takewhile(_is_block, map(get, islice(block_hashes, num_probes)))
+            hits = cast(list[KVCacheBlock], list(found))
+        num_hits = len(hits)
+        num_blocks = -(-num_tokens // block_size)
+        num_free = pool.free_block_queue.num_free_blocks
+        if num_blocks > num_free:
+            # Hit blocks nobody holds sit in the free queue: adopting them uses free blocks.
+            # (With num_blocks free blocks the prompt fits whatever they are.)
+            num_evictable = 0
+            for block in hits:
+                if block.ref_cnt == 0:
+                    num_evictable += 1
+            if num_blocks - num_hits + num_evictable > num_free:
+                return None
+        pool.touch(hits)
+        blocks = hits
+        blocks += pool.get_new_blocks(num_blocks - num_hits)
+        if self.enable_caching:
+            pool.cache_full_blocks(
+                None,
+                blocks,
+                block_hashes,
+                num_hits,
+                num_tokens // block_size,
+                block_size,
+                self.kv_cache_group_id,
+            )
+        blocks.reverse()  # as `free`: the prompt's tail is evicted before its head
+        pool.free_blocks(blocks)
+        return num_hits * block_size
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         blocks = self.req_to_blocks.get(running_request_id)

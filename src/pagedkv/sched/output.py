@@ -51,7 +51,7 @@ class ScheduledRequest:
         )
         # Hot path: keep the live tables and their lengths; ids are built only if read.
         self._tables = tables
-        self._num_blocks = tuple([len(table) for table in tables])
+        self._num_blocks = tuple(map(len, tables))
         self._new_blocks = new_blocks
         self._block_ids: tuple[list[int], ...] | None = None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from pagedkv.block import KVCacheBlock
 from pagedkv.errors import (
     ConfigError,
     InvalidArgumentError,
@@ -18,6 +19,7 @@ from pagedkv.errors import (
 )
 from pagedkv.kv_cache_blocks import ComputedBlocks
 from pagedkv.kv_cache_manager import KVCacheManager
+from pagedkv.managers import FullAttentionManager
 from pagedkv.request import Request, RequestStatus
 from pagedkv.sched.config import SchedulerConfig
 from pagedkv.sched.output import ScheduledRequest, SchedulerOutput, StepRecord
@@ -46,7 +48,12 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         config: SchedulerConfig | None = None,
         policy: SchedulingPolicy | None = None,
+        *,
+        batched_decode: bool = True,
     ) -> None:
+        """`batched_decode=False` gives decoding requests their slots one `allocate_slots` call
+        at a time, the reference that the batched path (one full-attention group only) equals.
+        """
         if not isinstance(kv_cache_manager, KVCacheManager):
             raise ConfigError(
                 f"kv_cache_manager must be a KVCacheManager, got {kv_cache_manager!r}"
@@ -76,6 +83,17 @@ class Scheduler:
         self.loading: dict[str, tuple[Request, int]] = {}
         self._host_tier = kv_cache_manager.block_pool.host_tier is not None
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        # Hot path: each running request's live block tables (the manager's own lists, which
+        # grow in place until the request is freed), fetched once instead of every step.
+        self._tables: dict[str, tuple[list[KVCacheBlock], ...]] = {}
+        managers = kv_cache_manager.coordinator.single_type_managers
+        # Decodes in one manager call: one full-attention group, blocks cached as they fill.
+        self._batched_decode = (
+            batched_decode
+            and not config.async_caching
+            and len(managers) == 1
+            and type(managers[0]) is FullAttentionManager
+        )
         self.step_records: list[StepRecord] = []
         self._stop_token_ids = frozenset(config.stop_token_ids)
         self._pending: SchedulerOutput | None = None
@@ -128,6 +146,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self.kv_cache_manager.free(request)
+        self._tables.pop(request_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -175,7 +194,8 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         max_model_len = self.max_model_len
         delay_cache = self.config.async_caching
-        index = 0
+        index = self._schedule_decodes(scheduled, budget) if self._batched_decode else 0
+        budget -= index
         while index < len(running) and budget > 0:
             request = running[index]
             num_computed = request.num_computed_tokens
@@ -207,13 +227,52 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 if victim is request:
                     return budget
-            tables = manager.coordinator.get_blocks(request.request_id)
+            tables = self._tables.get(request.request_id) or self._live_tables(request)
             scheduled.append(
                 ScheduledRequest(request, num_computed, num_new, tables, new_blocks.blocks)
             )
             budget -= num_new
             index += 1
         return budget
+
+    def _schedule_decodes(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        """Schedule the leading running requests that each decode one token, in one
+        `allocate_decode_slots` call (the same as `allocate_slots(request, 1)` for each, in
+        order, up to the first that does not fit); return how many got their slot.
+
+        Only with one full-attention group, where a decode's new block (at most one) is the
+        last of its table.
+        """
+        running = self.running
+        max_model_len = self.max_model_len
+        limit = min(len(running), budget)
+        count = 0
+        while count < limit:
+            request = running[count]
+            num_computed = request.num_computed_tokens
+            if request.num_tokens - num_computed != 1 or num_computed >= max_model_len:
+                break
+            count += 1
+        if count == 0:
+            return 0
+        batch = running[:count]
+        num_allocated, with_new_blocks = self.kv_cache_manager.allocate_decode_slots(batch)
+        no_new_blocks = self.kv_cache_manager.empty_kv_cache_blocks.blocks
+        with_new = iter(with_new_blocks)
+        next_with_new = next(with_new, None)
+        tables_of = self._tables
+        # Hot path: one ScheduledRequest per decoding request, nothing else.
+        for request in batch[:num_allocated]:
+            tables = tables_of.get(request.request_id) or self._live_tables(request)
+            if request is next_with_new:
+                new_blocks: tuple = (tables[0][-1:],)
+                next_with_new = next(with_new, None)
+            else:
+                new_blocks = no_new_blocks
+            scheduled.append(
+                ScheduledRequest(request, request.num_computed_tokens, 1, tables, new_blocks)
+            )
+        return num_allocated
 
     def _schedule_waiting(
         self, scheduled: list[ScheduledRequest], budget: int
@@ -257,7 +316,7 @@ class Scheduler:
             request.status = _RUNNING
             request.num_computed_tokens = num_hit
             running.append(request)
-            tables = manager.coordinator.get_blocks(request.request_id)
+            tables = self._live_tables(request)
             scheduled.append(ScheduledRequest(request, num_hit, num_new, tables, new_blocks.blocks))
             budget -= num_new
             num_admitted += 1
@@ -303,8 +362,17 @@ class Scheduler:
             request.status = _RUNNING
             self.running.append(request)
 
+    def _live_tables(self, request: Request) -> tuple[list[KVCacheBlock], ...]:
+        """The request's block tables per group, kept for the next steps when every group has
+        its own table (an empty one could be a placeholder the manager replaces later)."""
+        tables = self.kv_cache_manager.coordinator.get_blocks(request.request_id)
+        if all(tables):
+            self._tables[request.request_id] = tables
+        return tables
+
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: free every block; the cached prefix usually survives."""
+        self._tables.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -315,10 +383,16 @@ class Scheduler:
         self, output: SchedulerOutput, num_admitted: int, num_hit_tokens: int
     ) -> StepRecord:
         num_prefill = num_decode = num_kv_read = num_pairs = 0
+        request_ids = []
+        num_tokens = []
+        # Hot path: one pass over the batch for the counts and both id/token lists.
         for item in output.scheduled:
             num_computed = item.num_computed_tokens
             num_new = item.num_scheduled_tokens
-            if num_new == 1 and num_computed >= item.request.num_prompt_tokens:
+            request = item.request
+            request_ids.append(request.request_id)
+            num_tokens.append(num_new)
+            if num_new == 1 and num_computed >= request.num_prompt_tokens:
                 num_decode += 1
             else:
                 num_prefill += num_new
@@ -326,8 +400,8 @@ class Scheduler:
             num_kv_read += num_computed + num_new
         return StepRecord(
             step_index=output.step_index,
-            scheduled_request_ids=tuple([item.request.request_id for item in output.scheduled]),
-            num_scheduled_tokens=tuple([item.num_scheduled_tokens for item in output.scheduled]),
+            scheduled_request_ids=tuple(request_ids),
+            num_scheduled_tokens=tuple(num_tokens),
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,
             num_kv_tokens_read=num_kv_read,
@@ -360,6 +434,8 @@ class Scheduler:
         live = self._validate_sampled(output, sampled_token_ids)
         manager = self.kv_cache_manager
         async_caching = self.config.async_caching and manager.enable_caching
+        one_token_fast = not self._stop_token_ids
+        max_model_len = self.max_model_len
         finished: list[Request] = []
         for item in live:
             request = item.request
@@ -367,11 +443,25 @@ class Scheduler:
             if async_caching:
                 manager.cache_blocks(request, request.num_computed_tokens)
             if item.is_prefill_chunk_complete:
-                status = self._append_sampled(request, sampled_token_ids[request.request_id])
+                tokens = sampled_token_ids[request.request_id]
+                if one_token_fast and len(tokens) == 1:
+                    # Hot path: `_append_sampled` for one token and no stop ids: finished
+                    # once the request reaches max_model_len or max_tokens.
+                    request.append_output_token_ids(tokens[0])
+                    max_tokens = request.max_tokens
+                    if request.num_tokens < max_model_len and (
+                        max_tokens is None
+                        or request.num_tokens - request.num_prompt_tokens < max_tokens
+                    ):
+                        continue
+                    status: RequestStatus | None = RequestStatus.FINISHED_LENGTH_CAPPED
+                else:
+                    status = self._append_sampled(request, tokens)
                 if status is not None:
                     request.status = status
                     manager.free(request)
                     del self.requests[request.request_id]
+                    self._tables.pop(request.request_id, None)
                     finished.append(request)
         if finished:
             self.running[:] = [request for request in self.running if request.status == _RUNNING]
@@ -386,15 +476,18 @@ class Scheduler:
     ) -> list[ScheduledRequest]:
         """Return the scheduled requests still live; raise if the sampled ids do not match."""
         live: list[ScheduledRequest] = []
-        scheduled_ids: set[str] = set()
+        requests = self.requests
+        get_tokens = sampled_token_ids.get
+        num_known = 0  # keys of sampled_token_ids that name a scheduled request
         for item in output.scheduled:
             request = item.request
             request_id = request.request_id
-            scheduled_ids.add(request_id)
-            if self.requests.get(request_id) is not request:
+            tokens = get_tokens(request_id)
+            if tokens is not None:
+                num_known += 1
+            if requests.get(request_id) is not request:
                 continue  # aborted after scheduling
             live.append(item)
-            tokens = sampled_token_ids.get(request_id)
             if item.is_prefill_chunk_complete:
                 if not tokens or isinstance(tokens, (str, bytes)):
                     raise InvalidArgumentError(
@@ -406,7 +499,9 @@ class Scheduler:
                     f"step {output.step_index}: request {request_id!r} is mid-prefill and "
                     f"cannot take sampled token ids, got {tokens!r}"
                 )
-        unknown = set(sampled_token_ids) - scheduled_ids
+        if num_known == len(sampled_token_ids):
+            return live
+        unknown = set(sampled_token_ids) - {item.request.request_id for item in output.scheduled}
         if unknown:
             raise InvalidArgumentError(
                 f"step {output.step_index}: sampled token ids for unscheduled requests "

@@ -1,6 +1,7 @@
 """Simulator layer: PNG plots of a report (needs matplotlib, imported lazily).
 
 Replay: hit rate against capacity. Serve: KV usage, running and waiting requests over time.
+Memory study: hit rate and TTFT against KV memory.
 """
 
 from __future__ import annotations
@@ -69,6 +70,39 @@ def plot_serve(report: dict[str, Any], result: ServeResult, path: str | Path) ->
     queue_axes.legend()
     queue_axes.grid(True, alpha=0.3)
     usage_axes.set_title(f"{report['trace']['name']}: serve ({report['config']['profile']})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_memory(report: dict[str, Any], path: str | Path) -> None:
+    """Hit rate and TTFT (p50, p90) against KV memory (GiB, log scale); the GPU's size dashed."""
+    plt = _pyplot()
+    results = report["results"]
+    config = report["config"]
+    gib = [r["kv_memory_bytes"] / 2**30 for r in results]
+    gpu_gib = config["gpu_num_blocks"] * config["block_size"] * config["kv_bytes_per_token"] / 2**30
+    figure, (hit_axes, ttft_axes) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    hit_axes.plot(gib, [100 * r["hit_rate"] for r in results], marker="o")
+    hit_axes.set_ylabel("prefix-cache hit rate (%)")
+    for quantile, style in (("p50", "o-"), ("p90", "s--")):
+        ttft = [r["ttft_s"][quantile] for r in results]
+        ttft_axes.plot(gib, ttft, style, label=f"TTFT {quantile}")
+    ttft_axes.set_ylabel("time to first token (s)")
+    ttft_axes.set_xlabel("KV-cache memory (GiB)")
+    ttft_axes.legend()
+    for axes in (hit_axes, ttft_axes):
+        axes.axvline(gpu_gib, linestyle=":", color="grey")
+        axes.grid(True, which="both", alpha=0.3)
+    if len(gib) > 1:
+        ttft_axes.set_xscale("log", base=2)
+        ttft_axes.set_xticks(gib, [f"{value:,.1f}" for value in gib])
+        ttft_axes.minorticks_off()
+    hit_axes.set_title(
+        f"What KV memory buys: {report['trace']['name']}, "
+        f"{config['profile'] or 'custom cost model'}\n(dotted line: the GPU's KV memory)",
+        fontsize=10,
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pagedkv.sim.memory_report import memory_rows
 from pagedkv.sim.replay import ReplayPoint
 from pagedkv.sim.serve import ServeConfig, ServeResult
 from pagedkv.sim.traces import Trace
@@ -63,9 +64,11 @@ def replay_report(
     model_name: str | None = None,
     kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
 ) -> dict[str, Any]:
-    """With a model's `kv_cache_groups`, the config names the model and its groups, and
-    `capacity_tokens` is null: a block count shared by several groups is no token count."""
+    """Results sorted by capacity, unlimited last. With a model's `kv_cache_groups`, the
+    config names the model and its groups, and `capacity_tokens` is null: a block count
+    shared by several groups is no token count."""
     config: dict[str, Any] = {"block_size": block_size, "hash_algorithm": hash_algorithm}
+    points = sorted(points, key=_capacity_order)
     if kv_cache_groups is not None:
         config.update(_model_config(model_name or "custom", kv_cache_groups))
     return {
@@ -89,6 +92,11 @@ def replay_report(
             for point in points
         ],
     }
+
+
+def _capacity_order(point: ReplayPoint) -> tuple[bool, int]:
+    capacity = point.capacity_blocks
+    return (capacity is None, capacity or 0)
 
 
 def serve_report(
@@ -191,6 +199,10 @@ def _rows(
             notes.append(
                 ("block size", f"{config['block_size']} tokens ({config['hash_algorithm']})")
             )
+    elif report["mode"] == "memory":
+        header, rows = memory_rows(report, notes)
+        if "plot" in report:
+            notes.append(("plot", report["plot"]))
     else:
         header, rows = _serve_rows(report, notes)
     if speed is not None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import heapq
 from array import array
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.errors import ConfigError, InvariantViolation
 from pagedkv.eviction import ONLINE_POLICY_NAMES, EvictionConfig
-from pagedkv.hashing import make_request_block_hasher
+from pagedkv.hashing import RequestBlockHasher, make_request_block_hasher
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request
 from pagedkv.sched import (
@@ -27,6 +28,7 @@ from pagedkv.sched import (
     SchedulingPolicy,
     StepRecord,
 )
+from pagedkv.sim.block_keys import TraceBlockHasher
 from pagedkv.sim.cost_model import LinearCostModel
 from pagedkv.sim.traces import Trace, TraceRequest
 from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -54,6 +56,9 @@ class ServeConfig:
     tier of that many blocks (0: none); a request whose prefix continues there waits, holding
     its blocks, `host_load_s_per_token` per loaded token (the profile's PCIe link) before its
     prefill goes on, as vLLM's asynchronous KV loading does.
+    Blocks are keyed by the trace's token runs (`block_keys.TraceBlockHasher`: the same hits
+    as hashing, far cheaper) unless `hash_tokens` is set or KV events are on (their consumers
+    need real digests): then every block's tokens are hashed with `hash_algorithm`.
     """
 
     num_blocks: int
@@ -72,6 +77,7 @@ class ServeConfig:
     eviction: str = "lru"
     host_num_blocks: int = 0
     host_load_s_per_token: float = 0.0
+    hash_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.eviction not in ONLINE_POLICY_NAMES:
@@ -127,9 +133,16 @@ class _Timing:
 
 
 class ServeRun:
-    """One serve simulation: the clock, the scheduler and the running tallies."""
+    """One serve simulation: the clock, the scheduler and the running tallies.
 
-    def __init__(self, trace: Trace, config: ServeConfig) -> None:
+    With the FCFS policy (and `defer_arrivals`), arrived requests are built and queued only
+    while the scheduler has at most `max_num_seqs` waiting: it admits from the head and at
+    most that many a step, so the batches are the same, and a trace that arrives far faster
+    than it is served never holds every waiting prompt's tokens at once. The waiting counts
+    reported include the requests not built yet.
+    """
+
+    def __init__(self, trace: Trace, config: ServeConfig, *, defer_arrivals: bool = True) -> None:
         kv_cache_config = config.kv_cache_config
         max_in_flight_tokens = None
         if kv_cache_config is None:
@@ -155,15 +168,22 @@ class ServeRun:
             ),
         )
         self.scheduler = Scheduler(self.manager, config.scheduler, POLICIES[config.policy]())
-        self.hasher = (
-            make_request_block_hasher(self.manager.hash_block_size, config.hash_algorithm)
-            if config.enable_prefix_caching
-            else None
-        )
+        self.hasher: RequestBlockHasher | None
+        self.trace_hasher: TraceBlockHasher | None = None
+        hash_block_size = self.manager.hash_block_size
+        if not config.enable_prefix_caching:
+            self.hasher = None
+        elif config.hash_tokens or config.enable_kv_cache_events:
+            self.hasher = make_request_block_hasher(hash_block_size, config.hash_algorithm)
+        else:
+            self.hasher = self.trace_hasher = TraceBlockHasher(hash_block_size)
         self.config = config
         self.requests = trace.requests
         self.arrivals = [request.arrival_time_s * config.time_scale for request in self.requests]
         self.next_index = 0
+        # Arrived (not rejected) requests not given to the scheduler yet, in arrival order.
+        self.arrived: deque[tuple[TraceRequest, float]] = deque()
+        self.defer_arrivals = defer_arrivals and config.policy == "fcfs"
         self.start_s = self.now = self.arrivals[0] if self.arrivals else 0.0
         self.result = ServeResult(summary={})
         self.timings: dict[str, _Timing] = {}
@@ -193,20 +213,21 @@ class ServeRun:
         """Serve to completion, or until `should_stop()` (then `self.interrupted` is set)."""
         scheduler = self.scheduler
         num_requests = len(self.requests)
-        while self.next_index < num_requests or scheduler.has_unfinished_requests():
+        while self.next_index < num_requests or scheduler.has_unfinished_requests() or self.arrived:
             if should_stop is not None and should_stop():
                 self.interrupted = True
                 return
             self.admit_arrivals()
-            if not scheduler.has_unfinished_requests():
+            if not scheduler.has_unfinished_requests() and not self.arrived:
                 if self.next_index < num_requests:
                     self.now = self.arrivals[self.next_index]  # idle until the next arrival
                 if progress is not None:
                     progress(self.num_done)
                 continue
             self.complete_kv_loads()
-            if self.step() and progress is not None:
-                progress(self.num_done)
+            self.step()
+            if progress is not None:
+                progress(self.num_done)  # every step: a bar moves even before the first finish
 
     def complete_kv_loads(self) -> None:
         """Hand the scheduler every host-tier load done by now."""
@@ -248,11 +269,26 @@ class ServeRun:
             self.next_index += 1
             if trace_request.num_prompt_tokens >= max_model_len:
                 self.totals["rejected"] += 1
-                continue
-            self.add_request(self.make_request(trace_request, arrival_s), trace_request, arrival_s)
+            elif self.defer_arrivals:
+                self.arrived.append((trace_request, arrival_s))
+            else:
+                request = self.make_request(trace_request, arrival_s)
+                self.add_request(request, trace_request, arrival_s)
+
+    def queue_arrived(self) -> None:
+        """Build and queue arrived requests while at most `max_num_seqs` are waiting."""
+        arrived = self.arrived
+        waiting = self.scheduler.waiting
+        max_num_seqs = self.scheduler.config.max_num_seqs
+        while arrived and len(waiting) <= max_num_seqs:
+            trace_request, arrival_s = arrived.popleft()
+            request = self.make_request(trace_request, arrival_s)
+            self.add_request(request, trace_request, arrival_s)
 
     def make_request(self, trace_request: TraceRequest, arrival_s: float) -> Request:
         """The request for `trace_request` (hashed, so a router can score it first)."""
+        if self.trace_hasher is not None:
+            self.trace_hasher.register(trace_request.request_id, trace_request)
         return Request(
             trace_request.request_id,
             trace_request.prompt_token_ids(),
@@ -270,6 +306,8 @@ class ServeRun:
     def step(self) -> int:
         """Run one scheduler step; return how many requests it finished."""
         scheduler = self.scheduler
+        if self.arrived:
+            self.queue_arrived()
         output = scheduler.schedule()
         record = scheduler.step_records[-1]
         if not output.scheduled:
@@ -298,16 +336,17 @@ class ServeRun:
     def account_step(self, record: StepRecord, duration_s: float) -> None:
         """Record the step's state (it holds for `duration_s`) and advance the clock."""
         result, area, peak, totals = self.result, self.area, self.peak, self.totals
+        num_waiting = record.num_waiting + len(self.arrived)
         result.step_start_s.append(self.now)
         result.step_usage.append(record.usage)
         result.step_num_running.append(record.num_running)
-        result.step_num_waiting.append(record.num_waiting)
+        result.step_num_waiting.append(num_waiting)
         area["usage"] += record.usage * duration_s
         area["running"] += record.num_running * duration_s
-        area["waiting"] += record.num_waiting * duration_s
+        area["waiting"] += num_waiting * duration_s
         peak["usage"] = max(peak["usage"], record.usage)
         peak["running"] = max(peak["running"], record.num_running)
-        peak["waiting"] = max(peak["waiting"], record.num_waiting)
+        peak["waiting"] = max(peak["waiting"], num_waiting)
         totals["prefill_tokens"] += record.num_prefill_tokens
         totals["decode_tokens"] += record.num_decode_tokens
         totals["preemptions"] += len(record.preempted_request_ids)
@@ -317,6 +356,8 @@ class ServeRun:
 
     def account_finished(self, request: Request) -> None:
         timing = self.timings.pop(request.request_id)
+        if self.trace_hasher is not None:
+            self.trace_hasher.forget(request.request_id)
         first_token_s = timing.first_token_s
         assert first_token_s is not None  # a finished request has sampled a token
         num_output = request.num_output_tokens
