@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "events": 2,
     "free_queue": 2,
     "hashing": 2,
+    "canonical_cbor": 1,  # sha256_cbor's payload encoder (errors only)
     "request": 3,
     "sizing": 4,  # model configs -> per-layer specs -> KVCacheConfig (stdlib)
     # the pool and what sits on it
@@ -62,6 +63,7 @@ CORE = {
     "events",
     "free_queue",
     "hashing",
+    "canonical_cbor",
     "request",
     "sizing",
     "block_pool",
