@@ -4,8 +4,10 @@ Two managers of one configuration run the same random scheduler operations in lo
 `fast`, running requests allocate with plain `allocate_slots(request, n)` and
 `allocate_decode_slots` (the running allocators); on `general`, the same calls pass
 `new_computed_blocks=manager.empty_kv_cache_blocks`, which means the same (no hits) but takes
-the general, stage-by-stage path. After every operation both must hold the same block tables,
-free-queue order, prefix cache and events, and pass `check_invariants()`.
+the general, stage-by-stage path. `fast` frees with `free(request)`; `general` pops the blocks
+and frees each group's table in reverse, as the coordinator's `free` does. After every
+operation both must hold the same block tables, free-queue order, prefix cache and events, and
+pass `check_invariants()`.
 """
 
 from __future__ import annotations
@@ -181,9 +183,19 @@ class Lockstep:
         if num_allocated < len(pairs):
             self.preempt(pairs[num_allocated])
 
+    def free(self, pair: tuple[Request, Request]) -> None:
+        fast_request, general_request = pair
+        self.fast.free(fast_request)
+        lengths = [len(table) for table in self.general.get_block_ids(general_request.request_id)]
+        blocks = self.general.pop_blocks_for_free(general_request)
+        offset = 0
+        for length in lengths:
+            self.general.block_pool.free_blocks(reversed(blocks[offset : offset + length]))
+            offset += length
+
     def preempt(self, pair: tuple[Request, Request]) -> None:
-        for manager, request in zip((self.fast, self.general), pair, strict=True):
-            manager.free(request)
+        self.free(pair)
+        for request in pair:
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
             request.num_in_flight_tokens = 0
@@ -191,8 +203,8 @@ class Lockstep:
         self.waiting.insert(0, pair)
 
     def finish(self, pair: tuple[Request, Request]) -> None:
-        for manager, request in zip((self.fast, self.general), pair, strict=True):
-            manager.free(request)
+        self.free(pair)
+        for request in pair:
             request.status = RequestStatus.FINISHED_STOPPED
         self.running.remove(pair)
 

@@ -368,11 +368,16 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release all of the request's blocks (unknown requests: a no-op)."""
         request_id = request.request_id
-        if self._requests.get(request_id) is request:
-            del self._requests[request_id]
-        elif request_id in self._requests:
+        live = self._requests
+        if live.get(request_id) is request:
+            del live[request_id]
+        elif request_id in live:
             return  # another live request owns this id; nothing of ours to free
-        self.coordinator.free(request_id)
+        allocator = self._running_allocator
+        if allocator is not None:
+            allocator.free(request_id)  # Hot path: the coordinator's fan-out, inlined
+        else:
+            self.coordinator.free(request_id)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """Forget the request's blocks without freeing them; free later with

@@ -27,6 +27,7 @@ _REPLAYED_STEPS = (
     "get_num_blocks_to_allocate",
     "allocate_new_blocks",
     "cache_blocks",
+    "free",
 )
 _BASE = SingleTypeKVCacheManager
 
@@ -42,14 +43,40 @@ class RunningAllocator:
     `KVCacheManager.allocate_slots(request, n)` for a running request holding blocks (with
     `delay_cache_blocks=not cache`), given `num_computed_tokens + n <= max_model_len`;
     `allocate_decode(requests, start, cache)` that of one such call with `n = 1` per request
-    from `start`, stopping at the first that does not fit.
+    from `start`, stopping at the first that does not fit; `free(request_id)` that of the
+    coordinator's `free`.
     """
 
-    __slots__ = ("block_pool", "empty")
+    __slots__ = ("block_pool", "empty", "tables")
 
     def __init__(self, coordinator: KVCacheCoordinator, empty: KVCacheBlocks) -> None:
         self.block_pool = coordinator.block_pool
         self.empty = empty
+        self.tables = tuple(
+            (manager.req_to_blocks, manager.num_cached_block)
+            for manager in coordinator.single_type_managers
+        )
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, group by group, each table last block first."""
+        free_blocks = self.block_pool.free_blocks
+        null_block = self.block_pool.null_block
+        # Hot path: the coordinator's fan-out and the base manager's `free`, without the two
+        # method calls per group.
+        for req_to_blocks, num_cached_block in self.tables:
+            blocks = req_to_blocks.pop(request_id, None)
+            num_cached_block.pop(request_id, None)
+            if not blocks:
+                continue
+            if blocks[0] is null_block:
+                # Hot path: a windowed table starts with the nulls of the positions that left
+                # the window (often half of it); counted in C and left out, the pool need not
+                # skip them one by one. Only if they really are the prefix.
+                num_null = blocks.count(null_block)
+                if blocks[:num_null].count(null_block) == num_null:
+                    free_blocks(blocks[: num_null - 1 : -1])
+                    continue
+            free_blocks(blocks[::-1])
 
     def allocate(self, request: Request, num_new_tokens: int, cache: bool) -> KVCacheBlocks | None:
         raise NotImplementedError
@@ -326,7 +353,12 @@ def make_running_allocator(
         return None
     if not all(
         getattr(type(coordinator), step) is getattr(KVCacheCoordinator, step)
-        for step in ("remove_skipped_blocks", "get_num_blocks_to_allocate", "allocate_new_blocks")
+        for step in (
+            "remove_skipped_blocks",
+            "get_num_blocks_to_allocate",
+            "allocate_new_blocks",
+            "free",
+        )
     ):
         return None
     if len(managers) == 1 and type(managers[0]) is FullAttentionManager:
