@@ -182,6 +182,7 @@ class MultiGroupRunningAllocator(RunningAllocator):
         "cache_alignment_tokens",
         "null_block",
         "shared_window",
+        "shared_block_size",
     )
 
     def __init__(self, coordinator: KVCacheCoordinator, empty: KVCacheBlocks) -> None:
@@ -189,6 +190,7 @@ class MultiGroupRunningAllocator(RunningAllocator):
         self.null_block = coordinator.block_pool.null_block
         self.cache_alignment_tokens = coordinator.cache_alignment_tokens
         self.shared_window = None
+        self.shared_block_size = 1
         shared_key = None
         groups: list[_GroupPlan] = []
         for manager in coordinator.single_type_managers:
@@ -198,6 +200,7 @@ class MultiGroupRunningAllocator(RunningAllocator):
                 if shared_key is None:
                     shared_key = key
                     self.shared_window = manager.get_num_skipped_tokens
+                    self.shared_block_size = manager.block_size
                 window = True if key == shared_key else manager.get_num_skipped_tokens
             groups.append(
                 (
@@ -223,7 +226,9 @@ class MultiGroupRunningAllocator(RunningAllocator):
         if processed < 0:
             processed = 0
         shared_window = self.shared_window
-        shared_skipped = shared_window(processed) if shared_window is not None else 0
+        shared_num_skipped = (
+            shared_window(processed) // self.shared_block_size if shared_window is not None else 0
+        )
         null_block = self.null_block
         num_to_allocate = 0  # what the general path counts (and checks against free blocks)
         num_new_blocks = 0  # what it then allocates
@@ -232,8 +237,10 @@ class MultiGroupRunningAllocator(RunningAllocator):
         for manager, block_size, tables, num_cached, window in self.groups:
             blocks = tables.get(request_id, EMPTY_BLOCK_LIST)
             if window is not None and blocks:
-                skipped = shared_skipped if window is True else window(processed)  # type: ignore[operator]
-                num_skipped = skipped // block_size
+                if window is True:
+                    num_skipped = shared_num_skipped
+                else:
+                    num_skipped = window(processed) // block_size  # type: ignore[operator]
                 if num_skipped > 0:
                     if num_skipped > len(blocks):
                         num_skipped = len(blocks)
@@ -299,15 +306,17 @@ class MultiGroupRunningAllocator(RunningAllocator):
     def allocate_decode(self, requests: Sequence[Request], start: int, cache: bool) -> DecodeSlots:
         """`allocate` with one token per request, its common case inline.
 
-        Per request, the window frees and the "does any group need a block" test run here;
-        a request that needs blocks (one decode step in block_size) goes through `allocate`,
-        whose window frees then find nothing left to free.
+        Per request, the window frees, the "does any group need a block" test and the caching
+        run here; a request that needs blocks (one decode step in block_size) goes through
+        `allocate`, whose window frees then find nothing left to free.
         """
         groups = self.groups
+        caching_groups = self.caching_groups if cache else ()
+        alignment = self.cache_alignment_tokens
         shared_window = self.shared_window
+        shared_block_size = self.shared_block_size
         null_block = self.null_block
         allocate = self.allocate
-        cache_blocks = self._cache
         empty = self.empty
         with_new_blocks: list[Request] = []
         for index in range(start, len(requests)):
@@ -318,14 +327,18 @@ class MultiGroupRunningAllocator(RunningAllocator):
             processed = num_computed - request.num_in_flight_tokens
             if processed < 0:
                 processed = 0
-            shared_skipped = shared_window(processed) if shared_window is not None else 0
+            shared_num_skipped = (
+                shared_window(processed) // shared_block_size if shared_window is not None else 0
+            )
             needs_blocks = False
             # Hot path: as in `allocate`, but only "does any group need a block?" is counted.
             for manager, block_size, tables, _, window in groups:
                 blocks = tables.get(request_id, EMPTY_BLOCK_LIST)
                 if window is not None and blocks:
-                    skipped = shared_skipped if window is True else window(processed)  # type: ignore[operator]
-                    num_skipped = skipped // block_size
+                    if window is True:
+                        num_skipped = shared_num_skipped
+                    else:
+                        num_skipped = window(processed) // block_size  # type: ignore[operator]
                     if num_skipped > 0:
                         if num_skipped > len(blocks):
                             num_skipped = len(blocks)
@@ -339,8 +352,14 @@ class MultiGroupRunningAllocator(RunningAllocator):
                     return DecodeSlots(index - start, with_new_blocks)
                 if result is not empty:
                     with_new_blocks.append(request)
-            elif cache:
-                cache_blocks(request, num_tokens)
+                continue
+            num_cacheable = request.num_tokens
+            if num_tokens < num_cacheable:
+                num_cacheable = num_tokens
+            num_cacheable = num_cacheable // alignment * alignment
+            for manager, block_size, num_cached in caching_groups:
+                if num_cacheable // block_size > num_cached.get(request_id, 0):
+                    manager.cache_blocks(request, num_cacheable)
         return DecodeSlots(len(requests) - start, with_new_blocks)
 
 
