@@ -42,7 +42,6 @@ import sys
 import time
 from array import array
 from pathlib import Path
-import time
 
 HERE = Path(__file__).resolve().parent
 clock = time.perf_counter  # --clock cpu: time.thread_time (steadier on a busy machine)
@@ -253,8 +252,8 @@ def runner(args: argparse.Namespace) -> int:
             results[impl].append(run_child(pythons[impl], impl, args))
     table = {}
     print(f"\n{args.algorithm} prefix-cache hashing, {args.num_tokens} tokens (ids below "
-          f"{args.vocab}), tokens/s "
-          f"(millions, {args.clock} clock), median over {args.rounds} processes of the best of {args.repeats} repeats")
+          f"{args.vocab}), tokens/s (millions, {args.clock} clock), median over {args.rounds} "
+          f"processes of the best of {args.repeats} repeats")
     print(f"{'block':>6} {'mode':>7} {'vLLM':>9} {'pagedkv':>9} {'floor':>9} "
           f"{'pagedkv/vLLM':>13} {'floor/pagedkv':>14} {'floor/vLLM':>11}")
     for block_size in (b for b in args.block_sizes.split(",") if b):
