@@ -219,32 +219,31 @@ class BlockPool:
         # Hot path: one pass that drops the reference and links the block at once (hashed
         # blocks straight onto the queue's tail, unhashed ones onto a side chain spliced in at
         # the head afterwards), instead of sorting into two lists and linking them in two more
-        # passes. The null block (ref_cnt 0, never counted) is tested for only on the rare
-        # non-zero branch.
+        # passes. The common block (held once) is tested first; the null block (ref_cnt 0,
+        # never counted) and shared blocks take the other branches.
         for block in blocks:
-            ref_cnt = block.ref_cnt - 1
-            if ref_cnt:
+            if block.ref_cnt == 1:
+                block.ref_cnt = 0
+                if block.block_hash is None:
+                    block.prev_free_block = head_last
+                    head_last.next_free_block = block
+                    head_last = block
+                else:
+                    block.prev_free_block = last
+                    last.next_free_block = block  # type: ignore[union-attr]
+                    last = block
+            elif block.ref_cnt > 1:
+                block.ref_cnt -= 1
                 num_kept += 1
-                if ref_cnt > 0:
-                    block.ref_cnt = ref_cnt
-                    continue
-                if block is null_block:
-                    continue
+            elif block is null_block:
+                num_kept += 1
+            else:
                 num_done = len(ordered_blocks) - sum(1 for _ in blocks) - 1
                 self._undo_free(ordered_blocks[:num_done], old_last)
                 raise InvalidArgumentError(
                     f"free_blocks: block {block.block_id} is already free (ref_cnt 0); "
                     "were these blocks freed twice?"
                 )
-            block.ref_cnt = 0
-            if block.block_hash is None:
-                block.prev_free_block = head_last
-                head_last.next_free_block = block
-                head_last = block
-            else:
-                block.prev_free_block = last
-                last.next_free_block = block  # type: ignore[union-attr]
-                last = block
         if last is not old_last:
             last.next_free_block = tail  # type: ignore[union-attr]
             tail.prev_free_block = last

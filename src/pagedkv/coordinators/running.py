@@ -128,6 +128,13 @@ class SingleGroupRunningAllocator(RunningAllocator):
                 manager.cache_blocks(request, num_cacheable)
         return result
 
+    def free(self, request_id: str) -> None:
+        manager = self.manager
+        blocks = manager.req_to_blocks.pop(request_id, None)
+        manager.num_cached_block.pop(request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(blocks[::-1])
+
     def allocate_decode(self, requests: Sequence[Request], start: int, cache: bool) -> DecodeSlots:
         manager = self.manager
         block_size = self.block_size
