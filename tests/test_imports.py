@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "free_queue": 2,
     "hashing": 2,
     "retention": 2,  # per-request retention hints (plain data)
+    "canonical_cbor": 1,  # sha256_cbor's payload encoder (errors only)
     "request": 3,
     "sizing": 4,  # model configs -> per-layer specs -> KVCacheConfig (stdlib)
     "eviction": 6,  # eviction policies, retention levels, host tier (stdlib): the pool's order
@@ -66,6 +67,7 @@ CORE = {
     "events",
     "free_queue",
     "hashing",
+    "canonical_cbor",
     "request",
     "retention",
     "sizing",

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prefix-cache hashing throughput: vLLM's default, pagedkv's sha256 and the physical floor.
+"""Prefix-cache hashing throughput: vLLM's, pagedkv's (same algorithm name) and the floor.
 
 Three numbers per block size, each in tokens per second over the same token stream:
 - vLLM: the request block hasher vLLM's engine installs by default
@@ -16,8 +16,16 @@ timer; for vLLM it is the `prompt` call); `append` grows a request one token per
 `append_output_token_ids(int)` call, as decode does, so every block is hashed by its own
 hasher call (tokens/s then includes the per-token append itself).
 
+`--algorithm sha256_cbor` compares the algorithm whose hashes equal vLLM's (SHA-256 of the
+canonical CBOR of the tuple) instead of the defaults (vLLM: pickle; pagedkv: packed bytes), and
+`--prompt-lens 512,2048,8192,32768` adds, at block size 16, per prompt length: `admit` (the
+hasher call of the constructor, as above) and `build` (the whole constructor with its hasher),
+each over enough distinct prompts of that length to hash --num-tokens tokens.
+
 The runner (this file without --child) starts one child per implementation, alternating, and
 prints medians and ratios; JSON goes to benchmarks/results/.
+
+  python benchmarks/peer/bench_hashing.py --algorithm sha256_cbor --prompt-lens 512,2048,8192,32768
 """
 
 from __future__ import annotations
@@ -34,9 +42,9 @@ import sys
 import time
 from array import array
 from pathlib import Path
-from time import perf_counter
 
 HERE = Path(__file__).resolve().parent
+clock = time.perf_counter  # --clock cpu: time.thread_time (steadier on a busy machine)
 REPO = HERE.parent.parent
 DEFAULT_VLLM_PYTHON = os.environ.get("PEER_PYTHON", "/work/.peer-venv/bin/python")
 
@@ -48,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7, help="timed repeats inside each child")
     p.add_argument("--rounds", type=int, default=2, help="child processes per implementation")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall: perf_counter; cpu: the thread's CPU time")
+    p.add_argument("--algorithm", default="sha256", choices=["sha256", "sha256_cbor"],
+                   help="the same algorithm name in both libraries")
+    p.add_argument("--vocab", type=int, default=32000, help="token ids drawn below this")
+    p.add_argument("--prompt-lens", default="",
+                   help="comma-separated prompt lengths for the per-length rows (block 16)")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--pagedkv-python", default=sys.executable)
     p.add_argument("--child", choices=["vllm", "pagedkv"], help=argparse.SUPPRESS)
@@ -58,28 +73,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- child side
 
 
+VOCAB = 32000  # --vocab; the kit's drivers draw token ids below 32,000
+
+
 def make_tokens(num_tokens: int, seed: int) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(32000) for _ in range(num_tokens)]
+    return [rng.randrange(VOCAB) for _ in range(num_tokens)]
 
 
 def floor_seconds(packed: bytes, block_size: int) -> float:
     """hashlib over every block of the packed bytes; nothing else per block."""
     sha256 = hashlib.sha256
     step = 4 * block_size
-    t0 = perf_counter()
+    t0 = clock()
     [sha256(packed[i : i + step]).digest() for i in range(0, len(packed), step)]
-    return perf_counter() - t0
+    return clock() - t0
 
 
-def vllm_impl(block_size: int) -> dict:
-    """Timers (mode -> tokens -> (seconds, hashes made)) for vLLM's default request hasher."""
+def vllm_impl(block_size: int, algorithm: str) -> dict:
+    """Timers (mode -> tokens -> (seconds, hashes made)) for vLLM's request hasher."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    hash_fn = get_hash_fn_by_name("sha256")
+    hash_fn = get_hash_fn_by_name(algorithm)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(block_size, hash_fn)
 
@@ -93,12 +111,12 @@ def vllm_impl(block_size: int) -> dict:
     return timers
 
 
-def pagedkv_impl(block_size: int) -> dict:
-    """Timers (mode -> tokens -> (seconds, hashes made)) for pagedkv's sha256 request hasher."""
+def pagedkv_impl(block_size: int, algorithm: str) -> dict:
+    """Timers (mode -> tokens -> (seconds, hashes made)) for pagedkv's request hasher."""
     from pagedkv import Request, make_request_block_hasher
     from pagedkv.hashing import pack_token_ids
 
-    hasher = make_request_block_hasher(block_size, "sha256")
+    hasher = make_request_block_hasher(block_size, algorithm)
 
     def build(tokens: list[int], block_hasher) -> Request:
         return Request("r", tokens, block_hasher=block_hasher)
@@ -109,9 +127,9 @@ def pagedkv_impl(block_size: int) -> dict:
         def admit(tokens: list[int]) -> tuple[float, int]:
             req = build(tokens, None)
             packed = pack_token_ids(tokens)  # done by the constructor anyway, to validate
-            t0 = perf_counter()
+            t0 = clock()
             hashes = hasher(req, packed_tokens=packed)
-            return perf_counter() - t0, len(hashes)
+            return clock() - t0, len(hashes)
 
         timers["admit"] = admit
     else:
@@ -125,28 +143,35 @@ def _timers(build, hasher, block_size: int) -> dict:
 
     def prompt(tokens: list[int]) -> tuple[float, int]:
         req = build(tokens, None)
-        t0 = perf_counter()
+        t0 = clock()
         hashes = hasher(req)
-        return perf_counter() - t0, len(hashes)
+        return clock() - t0, len(hashes)
 
     def append(tokens: list[int]) -> tuple[float, int]:
         req = build(tokens[:block_size], hasher)
         append_token = req.append_output_token_ids
-        t0 = perf_counter()
+        t0 = clock()
         for token in tokens[block_size:]:
             append_token(token)
-        return perf_counter() - t0, len(req.block_hashes)
+        return clock() - t0, len(req.block_hashes)
 
-    return {"prompt": prompt, "append": append}
+    def build_hashed(tokens: list[int]) -> tuple[float, int]:
+        t0 = clock()
+        req = build(tokens, hasher)
+        return clock() - t0, len(req.block_hashes)
+
+    return {"prompt": prompt, "append": append, "build": build_hashed}
 
 
 def child(args: argparse.Namespace) -> int:
     tokens = make_tokens(args.num_tokens, args.seed)
     packed = array("I", tokens).tobytes()
     make = vllm_impl if args.child == "vllm" else pagedkv_impl
-    out: dict = {"impl": args.child, "python": sys.version.split()[0], "block_sizes": {}}
-    for block_size in (int(b) for b in args.block_sizes.split(",")):
-        timers = make(block_size)
+    out: dict = {"impl": args.child, "python": sys.version.split()[0], "block_sizes": {},
+                 "prompt_lens": {}}
+    for block_size in (int(b) for b in args.block_sizes.split(",") if b):
+        timers = make(block_size, args.algorithm)
+        del timers["build"]
         times: dict[str, list[float]] = {mode: [] for mode in [*timers, "floor"]}
         num_blocks = args.num_tokens // block_size
         for _ in range(args.repeats):  # interleaved, so load changes hit every mode alike
@@ -166,8 +191,32 @@ def child(args: argparse.Namespace) -> int:
             "floor_tokens_per_s": n / med["floor"],
             "best_seconds": med,
         }
+    for prompt_len in (int(n) for n in args.prompt_lens.split(",") if n):
+        out["prompt_lens"][prompt_len] = prompt_len_rates(make(16, args.algorithm), prompt_len,
+                                                          args)
     print(json.dumps(out))
     return 0
+
+
+def prompt_len_rates(timers: dict, prompt_len: int, args: argparse.Namespace) -> dict:
+    """Tokens/s of `admit` and `build` over distinct prompts of one length (block size 16)."""
+    prompts = [make_tokens(prompt_len, args.seed + 1 + index)
+               for index in range(max(1, args.num_tokens // prompt_len))]
+    for prompt in prompts[:4]:  # warm-up: first calls (and pagedkv's CBOR memo) untimed
+        timers["build"](prompt)
+    best = {}
+    for mode in ("admit", "build"):
+        totals = []
+        for _ in range(args.repeats):
+            seconds = 0.0
+            for prompt in prompts:
+                elapsed, count = timers[mode](prompt)
+                assert count == prompt_len // 16, (mode, count)
+                seconds += elapsed
+            totals.append(seconds)
+        best[mode] = min(totals)
+    num_tokens = len(prompts) * prompt_len
+    return {f"{mode}_tokens_per_s": num_tokens / seconds for mode, seconds in best.items()}
 
 
 # ----------------------------------------------------------------------------- runner side
@@ -180,7 +229,9 @@ def run_child(python: str, impl: str, args: argparse.Namespace) -> dict:
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [python, str(Path(__file__).resolve()), "--child", impl,
            "--num-tokens", str(args.num_tokens), "--block-sizes", args.block_sizes,
-           "--repeats", str(args.repeats), "--seed", str(args.seed)]
+           "--repeats", str(args.repeats), "--seed", str(args.seed),
+           "--algorithm", args.algorithm, "--prompt-lens", args.prompt_lens,
+           "--clock", args.clock, "--vocab", str(args.vocab)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
@@ -200,11 +251,12 @@ def runner(args: argparse.Namespace) -> int:
             print(f"[round {rnd + 1}/{args.rounds}] {impl}", file=sys.stderr, flush=True)
             results[impl].append(run_child(pythons[impl], impl, args))
     table = {}
-    print(f"\nsha256 prefix-cache hashing, {args.num_tokens} tokens, tokens/s (millions), "
-          f"median over {args.rounds} processes of the best of {args.repeats} repeats")
+    print(f"\n{args.algorithm} prefix-cache hashing, {args.num_tokens} tokens (ids below "
+          f"{args.vocab}), tokens/s (millions, {args.clock} clock), median over {args.rounds} "
+          f"processes of the best of {args.repeats} repeats")
     print(f"{'block':>6} {'mode':>7} {'vLLM':>9} {'pagedkv':>9} {'floor':>9} "
           f"{'pagedkv/vLLM':>13} {'floor/pagedkv':>14} {'floor/vLLM':>11}")
-    for block_size in args.block_sizes.split(","):
+    for block_size in (b for b in args.block_sizes.split(",") if b):
         def med(impl: str, key: str, bs: str = block_size) -> float:
             return statistics.median(r["block_sizes"][bs][key] for r in results[impl])
 
@@ -220,6 +272,19 @@ def runner(args: argparse.Namespace) -> int:
             table[f"{block_size}/{mode}"] = row
             print(f"{block_size:>6} {mode:>7} {v / 1e6:>9.2f} {p / 1e6:>9.2f} {floor / 1e6:>9.2f} "
                   f"{p / v:>13.2f} {floor / p:>14.2f} {floor / v:>11.2f}")
+    if args.prompt_lens:
+        print(f"\nper prompt length (block size 16; distinct prompts, {args.num_tokens} tokens "
+              "per measurement), tokens/s (millions)")
+        print(f"{'tokens':>7} {'mode':>7} {'vLLM':>9} {'pagedkv':>9} {'pagedkv/vLLM':>13}")
+    for prompt_len in (n for n in args.prompt_lens.split(",") if n):
+        for mode in ("admit", "build"):
+            key = f"{mode}_tokens_per_s"
+            v = statistics.median(r["prompt_lens"][prompt_len][key] for r in results["vllm"])
+            p = statistics.median(r["prompt_lens"][prompt_len][key] for r in results["pagedkv"])
+            table[f"len{prompt_len}/{mode}"] = {"vllm_tokens_per_s": v,
+                                                "pagedkv_tokens_per_s": p,
+                                                "pagedkv_over_vllm": p / v}
+            print(f"{prompt_len:>7} {mode:>7} {v / 1e6:>9.3f} {p / 1e6:>9.3f} {p / v:>13.2f}")
     record = {"command": " ".join([sys.executable, *sys.argv]), "loadavg_start": load_start,
               "loadavg_end": os.getloadavg(), "cpu_count": os.cpu_count(), "table": table,
               "runs": results}
@@ -233,7 +298,11 @@ def runner(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global clock, VOCAB
     args = parse_args(argv)
+    VOCAB = args.vocab
+    if args.clock == "cpu":
+        clock = time.thread_time
     return child(args) if args.child else runner(args)
 
 

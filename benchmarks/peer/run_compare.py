@@ -10,6 +10,11 @@ proves it. Medians over --reps repetitions go into the table and into a JSON fil
 benchmarks/results/.
 
   python benchmarks/peer/run_compare.py --vllm-python /work/.peer-venv/bin/python
+
+The issue-12 workloads (chat, gemma3, long32k, churn: `--workloads scenarios`) run through
+scenario_driver.py, one loop with a pagedkv and a vLLM adapter; for them the runner also
+checks that both managers handed every request the same block ids and left the same free-queue
+order (digests per request, see scenarios.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ REPO = HERE.parent.parent
 PAGEDKV_DRIVER = HERE / "pagedkv_driver.py"
 CPU_CLOCK = HERE / "cpu_clock.py"
 VLLM_DRIVER = HERE / "vllm" / "vllm_kv_driver.py"
+SCENARIO_DRIVER = HERE / "scenario_driver.py"
 DEFAULT_VLLM_PYTHON = os.environ.get("PEER_PYTHON", "/work/.peer-venv/bin/python")
 
 COMMON = ["--requests", "1024", "--batch", "256", "--prompt-len", "1000", "--decode-steps", "200",
@@ -50,7 +56,14 @@ WORKLOADS: dict[str, list[str]] = {
                 "--requests", "512", "--batch", "64", "--prompt-len", "1000",
                 "--decode-steps", "200", "--num-blocks", "8000", "--seed", "0"],
 }
+# The issue-12 workloads, defined in scenarios.py and replayed by scenario_driver.py.
+SCENARIO_WORKLOADS = ("chat", "gemma3", "long32k", "churn")
+PRESETS = {
+    "kit": "decode,shared1,shared8,decode1024",
+    "scenarios": ",".join(SCENARIO_WORKLOADS),
+}
 QUICK_SCALE = {"--requests": 96, "--batch": 32, "--decode-steps": 40}  # --quick: a smoke run
+QUICK_SCENARIO_SCALE = "0.15"
 # Every re-admission after a preemption samples one token that is not a decode step, so a
 # preempted request ends longer than the drivers' default max_model_len (vLLM then silently
 # caps its slots; pagedkv raises). Both drivers get this much headroom instead.
@@ -62,15 +75,26 @@ WORKLOAD_STATS = (
     "hit_tokens_first_admission", "prefix_hit_rate", "lookup_tokens_all", "hit_tokens_all",
     "preemptions", "admission_failures", "peak_used_blocks", "max_model_len", "free_check_ok",
 )
-METHODS = ("get_computed_blocks", "allocate_slots_prefill", "allocate_slots_decode", "free",
-           "new_step_starts", "allocate_slots")
+METHODS = ("get_computed_blocks", "allocate_slots_prefill", "allocate_slots_chunk",
+           "allocate_slots_decode", "free", "new_step_starts", "allocate_slots")
+# What must match in the scenario runs, besides the statistics: the block ids of every request
+# and the final eviction order.
+SCENARIO_STATS = (
+    "steps", "finished_requests", "decode_tokens", "prompt_tokens_first_admission",
+    "hit_tokens_first_admission", "prefix_hit_rate", "lookup_tokens_all", "hit_tokens_all",
+    "preemptions", "admission_failures", "peak_used_blocks", "turns_queued", "free_check_ok",
+    "block_ids_digest", "free_queue_digest",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=3, help="repetitions per driver and workload")
-    p.add_argument("--workloads", default="decode,shared1,shared8,decode1024",
-                   help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    p.add_argument("--workloads", default="kit",
+                   help=f"comma-separated subset of {','.join([*WORKLOADS, *SCENARIO_WORKLOADS])}"
+                        f", or a preset: {', '.join(f'{k} = {v}' for k, v in PRESETS.items())}")
+    p.add_argument("--hash", default="sha256", choices=["sha256", "sha256_cbor"],
+                   help="prefix-cache hash algorithm of both libraries")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
                    help="python of the peer venv (setup_venv.sh); env PEER_PYTHON")
     p.add_argument("--pagedkv-python", default=sys.executable)
@@ -85,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def workload_args(name: str, quick: bool) -> list[str]:
+    if name in SCENARIO_WORKLOADS:
+        return ["--workload", name, *(["--scale", QUICK_SCENARIO_SCALE] if quick else [])]
     argv = list(WORKLOADS[name])
     if quick:
         for flag, value in QUICK_SCALE.items():
@@ -131,8 +157,8 @@ def subtract_clock_overhead(result: dict) -> None:
         stats["seconds"] = max(stats["seconds"] - intervals * overhead, 0.0)
         stats["us_per_call"] = 1e6 * stats["seconds"] / stats["calls"] if stats["calls"] else None
     merged = per_method["allocate_slots"]
-    merged["seconds"] = (per_method["allocate_slots_prefill"]["seconds"]
-                         + per_method["allocate_slots_decode"]["seconds"])
+    merged["seconds"] = sum(per_method[m]["seconds"] for m in per_method
+                            if m.startswith("allocate_slots_"))
     merged["us_per_call"] = 1e6 * merged["seconds"] / merged["calls"] if merged["calls"] else None
     result["manager_seconds"] = sum(
         stats["seconds"] for method, stats in per_method.items() if method != "allocate_slots")
@@ -159,12 +185,19 @@ def has_batched_decode(python: str, env: dict[str, str]) -> bool:
 
 
 def assert_same_workload(name: str, a: dict, b: dict, label: str) -> None:
-    diffs = {k: (a[k], b[k]) for k in WORKLOAD_STATS if a[k] != b[k]}
-    for method in ("get_computed_blocks", "allocate_slots_prefill", "allocate_slots_decode",
-                   "free", "new_step_starts"):
-        ca, cb = a["per_method"][method]["calls"], b["per_method"][method]["calls"]
+    stats = SCENARIO_STATS if name in SCENARIO_WORKLOADS else WORKLOAD_STATS
+    diffs = {k: (a[k], b[k]) for k in stats if a[k] != b[k]}
+    for method in METHODS[:-1]:
+        ca = a["per_method"].get(method, {}).get("calls")
+        cb = b["per_method"].get(method, {}).get("calls")
         if ca != cb:
             diffs[f"{method}.calls"] = (ca, cb)
+    if "request_block_digests" in a:
+        da, db = a["request_block_digests"], b["request_block_digests"]
+        differing = sorted((rid for rid in da.keys() | db.keys() if da.get(rid) != db.get(rid)),
+                           key=int)
+        if differing:
+            diffs["requests_with_other_block_ids"] = (len(differing), differing[:5])
     if diffs:
         raise SystemExit(f"{name}: {label} replayed a different workload: {diffs}")
     if not a["free_check_ok"]:
@@ -176,20 +209,20 @@ def pick_of(runs: list[dict], path: tuple[str, ...], pick) -> float | None:
     for run in runs:
         value = run
         for key in path:
-            value = value[key]
+            value = value.get(key) if isinstance(value, dict) else None
         if value is not None:
             values.append(value)
     return pick(values) if values else None
 
 
-def summarize(runs: dict[str, list[dict]], batch: int, pick=statistics.median) -> dict:
+def summarize(runs: dict[str, list[dict]], pick=statistics.median) -> dict:
     """Per implementation the `pick` (median, or min for best-of) of each metric; ratios."""
     out: dict = {}
     for impl, impl_runs in runs.items():
         med = {m: pick_of(impl_runs, ("per_method", m, "us_per_call"), pick) for m in METHODS}
         med["prefill_pair"] = pick(
-            r["per_method"]["get_computed_blocks"]["us_per_call"]
-            + r["per_method"]["allocate_slots_prefill"]["us_per_call"]
+            (r["per_method"]["get_computed_blocks"]["us_per_call"] or 0.0)
+            + (r["per_method"]["allocate_slots_prefill"]["us_per_call"] or 0.0)
             for r in impl_runs
         )
         med["manager_seconds"] = pick_of(impl_runs, ("manager_seconds",), pick)
@@ -197,11 +230,13 @@ def summarize(runs: dict[str, list[dict]], batch: int, pick=statistics.median) -
         med["manager_plus_hash_seconds"] = pick(
             r["manager_seconds"] + r["hash_seconds"] for r in impl_runs
         )
+        med["free_seconds"] = pick_of(impl_runs, ("per_method", "free", "seconds"), pick)
         med["cpu_share"] = pick_of(impl_runs, ("runner", "cpu_share"), pick)
         if "decode_step" in impl_runs[0]:
             # The mean (not the median) over full-batch steps, comparable with vLLM's figure.
             med["decode_step_us"] = pick_of(impl_runs, ("decode_step", "us_per_step_mean"), pick)
-        else:  # the vLLM driver does not time steps: mean per-call time × running requests
+        else:  # the kit's vLLM driver does not time steps: mean per-call time × running requests
+            batch = impl_runs[0]["args"]["batch"]
             med["decode_step_us"] = (
                 med["allocate_slots_decode"] * batch if med["allocate_slots_decode"] else None
             )
@@ -226,6 +261,9 @@ def print_table(name: str, argv: list[str], summary: dict, best: dict, stats: di
     print(f"\n== {name}: {' '.join(argv)}")
     print(f"   steps {stats['steps']}, hit rate {stats['prefix_hit_rate']}, "
           f"preemptions {stats['preemptions']}, admission failures {stats['admission_failures']}")
+    if "request_block_digests" in stats:
+        print(f"   block ids identical for all {stats['request_block_digests']} requests "
+              f"(digest {stats['block_ids_digest']}), free-queue order identical")
     ratio_keys = [("ratio_pagedkv_over_vllm", "p/v med", summary), ("ratio_pagedkv_over_vllm",
                   "p/v best", best)]
     if "pagedkv_batched" in impls:
@@ -243,6 +281,8 @@ def print_table(name: str, argv: list[str], summary: dict, best: dict, stats: di
         ("child CPU share (1 = no wait)", "cpu_share"),
     ]
     for label, key in rows:
+        if all(summary[impl].get(key) is None for impl in impls):
+            continue
         line = f"{label:32}"
         for impl in impls:
             value = summary[impl].get(key)
@@ -251,22 +291,26 @@ def print_table(name: str, argv: list[str], summary: dict, best: dict, stats: di
             ratio = source[ratio_name].get(key) if key != "cpu_share" else None
             line += f"{ratio:>10.3f}" if ratio is not None else f"{'-':>10}"
         print(line)
-    print("   vLLM's decode phase per step is derived (mean us/call decode x running requests);"
-          " best = min over runs")
+    how = ("measured by the shared loop" if "request_block_digests" in stats else
+           "derived (mean us/call decode x running requests)")
+    print(f"   vLLM's decode phase per step is {how}; best = min over runs")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    names = [n.strip() for n in ",".join(PRESETS.get(w.strip(), w) for w in
+                                          args.workloads.split(",")).split(",") if n.strip()]
     for name in names:
-        if name not in WORKLOADS:
-            raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+        if name not in WORKLOADS and name not in SCENARIO_WORKLOADS:
+            raise SystemExit(f"unknown workload {name!r}; choose from "
+                             f"{', '.join([*WORKLOADS, *SCENARIO_WORKLOADS, *PRESETS])}")
     if not Path(args.vllm_python).exists():
         raise SystemExit(f"no peer venv python at {args.vllm_python}: build it with "
                          "bash benchmarks/peer/vllm/setup_venv.sh DIR, then pass "
                          "--vllm-python DIR/bin/python")
     env = pagedkv_env()
     batched = not args.no_batched and has_batched_decode(args.pagedkv_python, env)
+    hash_args = ["--hash", args.hash]
     started = time.strftime("%Y%m%d-%H%M%S")
     record: dict = {
         "command": " ".join([sys.executable, *sys.argv]),
@@ -283,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {},
     }
     for name in names:
-        argv_w = workload_args(name, args.quick)
+        argv_w = workload_args(name, args.quick) + hash_args
+        scenario = name in SCENARIO_WORKLOADS
         runs: dict[str, list[dict]] = {"vllm": [], "pagedkv": []}
         if batched:
             runs["pagedkv_batched"] = []
@@ -292,20 +337,26 @@ def main(argv: list[str] | None = None) -> int:
             for impl in order:
                 print(f"[{name} rep {rep + 1}/{args.reps}] {impl}", file=sys.stderr, flush=True)
                 if impl == "vllm":
-                    result = run_driver(args.vllm_python, VLLM_DRIVER, argv_w, dict(os.environ),
-                                        args.clock)
+                    driver = SCENARIO_DRIVER if scenario else VLLM_DRIVER
+                    extra = ["--impl", "vllm"] if scenario else []
+                    result = run_driver(args.vllm_python, driver, argv_w + extra,
+                                        dict(os.environ), args.clock)
                 else:
-                    extra = ["--batched-decode"] if impl == "pagedkv_batched" else []
-                    result = run_driver(args.pagedkv_python, PAGEDKV_DRIVER, argv_w + extra, env,
+                    driver = SCENARIO_DRIVER if scenario else PAGEDKV_DRIVER
+                    extra = ["--impl", "pagedkv"] if scenario else []
+                    if impl == "pagedkv_batched":
+                        extra.append("--batched-decode")
+                    result = run_driver(args.pagedkv_python, driver, argv_w + extra, env,
                                         args.clock)
                 runs[impl].append(result)
             for impl in runs:
                 if impl != "vllm":
                     assert_same_workload(name, runs["vllm"][-1], runs[impl][-1], impl)
-        batch = int(argv_w[argv_w.index("--batch") + 1])
-        summary = summarize(runs, batch)
-        best = summarize(runs, batch, pick=min)
-        stats = {k: runs["vllm"][0][k] for k in WORKLOAD_STATS}
+        summary = summarize(runs)
+        best = summarize(runs, pick=min)
+        stats = {k: runs["vllm"][0][k] for k in (SCENARIO_STATS if scenario else WORKLOAD_STATS)}
+        if scenario:
+            stats["request_block_digests"] = len(runs["vllm"][0]["request_block_digests"])
         print_table(name, argv_w, summary, best, stats)
         record["workloads"][name] = {
             "args": argv_w, "workload_stats": stats, "median": summary, "best": best,

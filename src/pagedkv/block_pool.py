@@ -126,6 +126,8 @@ class BlockPool:
             if eviction.host_num_blocks and enable_caching
             else None
         )
+        # The head of the side chain `free_blocks` builds before splicing it in; never linked.
+        self._head_chain = KVCacheBlock(block_id=-1)
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
         self.metrics_collector = metrics_collector
@@ -260,10 +262,67 @@ class BlockPool:
 
         Unhashed blocks go to the head in the order given (reused first); hashed blocks go to
         the tail (evicted last). Callers pass a request's blocks in reverse, so a prefix's tail
-        is evicted before its head.
+        is evicted before its head. The null block is skipped. A block already free (a double
+        free) raises `InvalidArgumentError` and leaves every block and the queue as they were.
         """
         if not isinstance(ordered_blocks, (list, tuple)):
             ordered_blocks = list(ordered_blocks)  # C-level copy; lets a bad call be undone
+        if self.eviction_policy is not None:
+            self._free_blocks_to_policy(ordered_blocks)
+            return
+        queue = self.free_block_queue
+        tail = queue.fake_free_list_tail
+        chain = self._head_chain
+        null_block = self.null_block
+        old_last = last = tail.prev_free_block
+        head_last = chain
+        num_kept = 0
+        blocks = iter(ordered_blocks)
+        # Hot path: one pass that drops the reference and links the block at once (hashed
+        # blocks straight onto the queue's tail, unhashed ones onto a side chain spliced in at
+        # the head afterwards), instead of sorting into two lists and linking them in two more
+        # passes. The common block (held once) is tested first; the null block (ref_cnt 0,
+        # never counted) and shared blocks take the other branches.
+        for block in blocks:
+            if block.ref_cnt == 1:
+                block.ref_cnt = 0
+                if block.block_hash is None:
+                    block.prev_free_block = head_last
+                    head_last.next_free_block = block
+                    head_last = block
+                else:
+                    block.prev_free_block = last
+                    last.next_free_block = block  # type: ignore[union-attr]
+                    last = block
+            elif block.ref_cnt > 1:
+                block.ref_cnt -= 1
+                num_kept += 1
+            elif block is null_block:
+                num_kept += 1
+            else:
+                num_done = len(ordered_blocks) - sum(1 for _ in blocks) - 1
+                self._undo_free(ordered_blocks[:num_done], old_last)
+                raise InvalidArgumentError(
+                    f"free_blocks: block {block.block_id} is already free (ref_cnt 0); "
+                    "were these blocks freed twice?"
+                )
+        if last is not old_last:
+            last.next_free_block = tail  # type: ignore[union-attr]
+            tail.prev_free_block = last
+        if head_last is not chain:
+            head = queue.fake_free_list_head
+            first = chain.next_free_block
+            old_first = head.next_free_block
+            head.next_free_block = first
+            first.prev_free_block = head  # type: ignore[union-attr]
+            head_last.next_free_block = old_first
+            old_first.prev_free_block = head_last  # type: ignore[union-attr]
+            chain.next_free_block = None
+        queue.num_free_blocks += len(ordered_blocks) - num_kept
+
+    def _free_blocks_to_policy(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
+        """`free_blocks` with an eviction policy: the blocks reaching zero go to the policy in
+        two runs (unhashed ones to be reused first, hashed ones in the order given)."""
         null_block = self.null_block
         to_head: list[KVCacheBlock] = []
         to_tail: list[KVCacheBlock] = []
@@ -291,6 +350,20 @@ class BlockPool:
             self.free_block_queue.prepend_n(to_head)
         if to_tail:
             self.free_block_queue.append_n(to_tail)
+
+    def _undo_free(self, done: Sequence[KVCacheBlock], old_last: KVCacheBlock | None) -> None:
+        """Give back the references `free_blocks` dropped from `done` and unlink what it linked."""
+        tail = self.free_block_queue.fake_free_list_tail
+        old_last.next_free_block = tail  # type: ignore[union-attr]
+        tail.prev_free_block = old_last
+        self._head_chain.next_free_block = None
+        null_block = self.null_block
+        for block in done:
+            if block is null_block:
+                continue
+            block.ref_cnt += 1
+            if block.ref_cnt == 1:  # it had reached zero and was linked
+                block.prev_free_block = block.next_free_block = None
 
     # ------------------------------------------------------------------ caching
 

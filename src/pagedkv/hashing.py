@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from pagedkv.block import BlockHash
+from pagedkv.canonical_cbor import cbor_head, encode_token_blocks
 from pagedkv.errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -62,6 +63,8 @@ PAGEDKV_SEED = "pagedkv-none-hash"
 ENCODING_VERSION = b"pagedkv-block-hash/v1"
 
 MAX_TOKEN_ID = 2**32 - 1
+# sha256_cbor: shorter runs than this use cbor2 per block (encode_token_blocks' fixed cost).
+CBOR_VECTOR_MIN_BLOCKS = 4
 assert array("I").itemsize == 4, "pagedkv needs a 4-byte C unsigned int"
 _NEEDS_BYTESWAP = sys.byteorder != "little"
 
@@ -162,6 +165,7 @@ class BlockHasher:
         "_digest_packed",
         "_is_sha256",
         "_block_struct",
+        "_cbor_state",
     )
 
     def __init__(self, algorithm: str = "sha256", block_size: int = 16, seed: str | None = None):
@@ -193,6 +197,9 @@ class BlockHasher:
         else:  # sha256_cbor: the reference's canonical-CBOR tuple, byte for byte
             self._digest_packed = None
             self.none_hash = BlockHash(hashlib.sha256(_cbor_dumps(self.seed)).digest())
+            # A block's payload: array(3) head, bytes(32) head, parent, array(block_size)
+            # head, the token ids, null. SHA-256 of the first two heads, copied per block.
+            self._cbor_state = hashlib.sha256(cbor_head(4, 3) + cbor_head(2, 32))
 
     def hash_block_tokens(
         self,
@@ -209,6 +216,45 @@ class BlockHasher:
         if extra_keys:
             data += _encode_extra_keys(extra_keys)
         return BlockHash(self._digest_packed(data))
+
+    def hash_cbor_blocks(
+        self,
+        parent_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        num_blocks: int,
+        packed: bytes | None = None,
+    ) -> list[BlockHash]:
+        """sha256_cbor of `num_blocks` consecutive blocks of `token_ids` without extra keys.
+
+        Equal to `hash_block_tokens` block by block. `packed`, if given, is
+        `pack_token_ids(token_ids)`: with it, long runs skip the cbor2 call per block (the
+        payload bytes are the same; tests compare them).
+        """
+        parent = parent_hash if parent_hash else self.none_hash
+        block_size = self.block_size
+        tails = None
+        if packed is not None and num_blocks >= CBOR_VECTOR_MIN_BLOCKS and len(parent) == 32:
+            tails = encode_token_blocks(packed, token_ids, block_size)
+        hashes: list[BlockHash] = []
+        append = hashes.append
+        if tails is None:
+            dumps = _cbor2().dumps
+            sha256 = hashlib.sha256
+            for start in range(0, num_blocks * block_size, block_size):
+                payload = (parent, tuple(token_ids[start : start + block_size]), None)
+                parent = BlockHash(sha256(dumps(payload, canonical=True)).digest())
+                append(parent)
+            return hashes
+        # Hot path: the SHA-256 state of the payload's first two heads is copied per block,
+        # then takes the parent and the block's token array.
+        copy_state = self._cbor_state.copy
+        for tail in tails:
+            state = copy_state()
+            state.update(parent)
+            state.update(tail)
+            parent = BlockHash(state.digest())
+            append(parent)
+        return hashes
 
     def hash_packed_blocks(
         self, parent_hash: BlockHash | None, packed: bytes, num_blocks: int
@@ -239,14 +285,18 @@ class BlockHasher:
         return hashes  # type: ignore[return-value]
 
 
-def _cbor_dumps(obj: object) -> bytes:
+def _cbor2() -> Any:
     try:
         import cbor2
     except ImportError as exc:
         raise MissingDependencyError(
             "hash algorithm 'sha256_cbor' needs cbor2: pip install 'pagedkv[hashing]'"
         ) from exc
-    return cbor2.dumps(obj, canonical=True)
+    return cbor2
+
+
+def _cbor_dumps(obj: object) -> bytes:
+    return _cbor2().dumps(obj, canonical=True)  # type: ignore[no-any-return]
 
 
 # ----------------------------------------------------------------------------- extra keys
@@ -344,7 +394,17 @@ class RequestBlockHasher:
         parent = request.block_hashes[-1] if start_block else None
         tokens = request.all_token_ids
         hasher = self.hasher
-        if not request.has_extra_keys and hasher._digest_packed is not None:
+        if not request.has_extra_keys and hasher._digest_packed is None:
+            start_token, end_token = start_block * block_size, end_block * block_size
+            num_blocks = end_block - start_block
+            if packed_tokens is not None:
+                packed_tokens = packed_tokens[start_token * 4 : end_token * 4]
+            elif num_blocks >= CBOR_VECTOR_MIN_BLOCKS:
+                packed_tokens = pack_token_ids(tokens[start_token:end_token])
+            return hasher.hash_cbor_blocks(
+                parent, tokens[start_token:end_token], num_blocks, packed_tokens
+            )
+        if not request.has_extra_keys:
             start_token, end_token = start_block * block_size, end_block * block_size
             if packed_tokens is None:
                 packed = pack_token_ids(tokens[start_token:end_token])

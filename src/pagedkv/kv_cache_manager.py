@@ -13,7 +13,7 @@ from math import gcd, lcm
 from pagedkv.admission import AllocationChecker, check_count
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockResidencyObserver
-from pagedkv.coordinators import make_coordinator
+from pagedkv.coordinators import make_coordinator, make_running_allocator
 from pagedkv.errors import (
     ConfigError,
     InvalidArgumentError,
@@ -143,8 +143,8 @@ class KVCacheManager:
             self.empty_kv_cache_blocks,
         )
         self._empty_hits = self._checker.empty_hits
-        # Hot path: with one full-attention group (the common case), decode steps and lookups
-        # skip the coordinator and go straight to that group's tables and hash map.
+        # Hot path: with one full-attention group (the common case), lookups skip the
+        # coordinator and go straight to that group's hash map.
         managers = self.coordinator.single_type_managers
         self._fast_manager = None
         self._fast_hit_map = None
@@ -152,6 +152,11 @@ class KVCacheManager:
             self._fast_manager = managers[0]
             if enable_caching:
                 self._fast_hit_map = self.block_pool.hash_to_block[0]
+        # Hot path: a running request's next tokens (decode, next chunk) in one pass over the
+        # groups; None where the configuration needs the general path.
+        self._running_allocator = make_running_allocator(
+            self.coordinator, self.empty_kv_cache_blocks
+        )
 
     # ------------------------------------------------------------------ reading
 
@@ -249,12 +254,13 @@ class KVCacheManager:
             The newly allocated blocks per group (the shared empty value if none), or None if
             they do not fit, in which case nothing was allocated.
         """
-        # Hot path: a running request's decode step (or next prefill chunk) on one full-attention
-        # group passes none of the optional arguments; it skips their checks, the coordinator
-        # and the hit machinery. `_allocate_running` gives exactly the general path's result.
+        # Hot path: a running request's decode step (or next prefill chunk) passes none of the
+        # optional arguments; it skips their checks, the stage-by-stage fan-out over the groups
+        # and the hit machinery. The running allocator gives exactly the general path's result.
+        allocator = self._running_allocator
         if (
             new_computed_blocks is None
-            and self._fast_manager is not None
+            and allocator is not None
             and type(request) is Request  # anything else is validated (and refused) below
             and request.status is RequestStatus.RUNNING
             and self._requests.get(request.request_id) is request
@@ -268,8 +274,11 @@ class KVCacheManager:
             )
             and type(num_new_tokens) is int
             and num_new_tokens > 0
+            and request.num_computed_tokens + num_new_tokens <= self.max_model_len
         ):
-            return self._allocate_running(request, num_new_tokens, delay_cache_blocks)
+            return allocator.allocate(
+                request, num_new_tokens, self.enable_caching and not delay_cache_blocks
+            )
         hits = self._checker.check_allocation(
             request,
             num_new_tokens,
@@ -331,39 +340,6 @@ class KVCacheManager:
                 request, min(total_computed + num_new_tokens, request.num_tokens)
             )
         return self.create_kv_cache_blocks(new_blocks)
-
-    def _allocate_running(
-        self, request: Request, num_new_tokens: int, delay_cache_blocks: bool
-    ) -> KVCacheBlocks | None:
-        """`allocate_slots` for a running request on one full-attention group.
-
-        Same result as the general path: no hits, no watermark (the request is running), no
-        window to free; only new blocks for the new tokens, then caching.
-        """
-        total_tokens = request.num_computed_tokens + num_new_tokens
-        if total_tokens > self.max_model_len:
-            self._checker.check_allocation(request, num_new_tokens, 0, None, 0, 0, 0, 0)
-        manager = self._fast_manager
-        block_size = manager.block_size  # type: ignore[union-attr]
-        blocks = manager.req_to_blocks[request.request_id]  # type: ignore[union-attr]
-        num_new_blocks = -(-total_tokens // block_size) - len(blocks)
-        if num_new_blocks > 0:
-            pool = self.block_pool
-            if num_new_blocks > pool.free_block_queue.num_free_blocks:
-                return None
-            new_blocks = pool.get_new_blocks(num_new_blocks)
-            blocks.extend(new_blocks)
-            result = KVCacheBlocks((new_blocks,))
-        else:
-            result = self.empty_kv_cache_blocks
-        if self.enable_caching and not delay_cache_blocks:
-            num_tokens = request.num_tokens
-            num_cacheable = total_tokens if total_tokens < num_tokens else num_tokens
-            if num_cacheable // block_size > manager.num_cached_block.get(  # type: ignore[union-attr]
-                request.request_id, 0
-            ):
-                manager.cache_blocks(request, num_cacheable)  # type: ignore[union-attr]
-        return result
 
     def _retain_hits(self, request: Request, hits: tuple[Sequence[KVCacheBlock], ...]) -> None:
         """Apply the request's retention hints to the prefix-cache hits it just adopted."""
@@ -432,45 +408,22 @@ class KVCacheManager:
             `start` got their slot, and those of them that needed a new block.
         """
         check_count("start", start)
-        manager = self._fast_manager
-        num_requests = len(requests)
-        live = self._requests
-        max_model_len = self.max_model_len
-        running = RequestStatus.RUNNING
-        for index in range(start, num_requests):
-            request = requests[index]
-            if (
-                request.status is not running
-                or live.get(request.request_id) is not request
-                or request.num_computed_tokens >= max_model_len
-                or manager is None
-            ):
-                return self._allocate_decode_slots_slow(requests, start)
-        block_size = manager.block_size  # type: ignore[union-attr]
-        req_to_blocks = manager.req_to_blocks  # type: ignore[union-attr]
-        num_cached_block = manager.num_cached_block  # type: ignore[union-attr]
-        pool = self.block_pool
-        free_queue = pool.free_block_queue
-        caching = self.enable_caching
-        with_new_blocks: list[Request] = []
-        # Hot path: one request per iteration, a few attribute reads and one comparison in
-        # the common case (the current block still has room).
-        for index in range(start, num_requests):
-            request = requests[index]
-            request_id = request.request_id
-            total_tokens = request.num_computed_tokens + 1
-            blocks = req_to_blocks[request_id]
-            if total_tokens > len(blocks) * block_size:
-                if free_queue.num_free_blocks == 0:
-                    return DecodeSlots(index - start, with_new_blocks)
-                blocks.extend(pool.get_new_blocks(1))
-                with_new_blocks.append(request)
-            if caching:
-                num_tokens = request.num_tokens
-                num_cacheable = total_tokens if total_tokens < num_tokens else num_tokens
-                if num_cacheable // block_size > num_cached_block.get(request_id, 0):
-                    manager.cache_blocks(request, num_cacheable)  # type: ignore[union-attr]
-        return DecodeSlots(num_requests - start, with_new_blocks)
+        allocator = self._running_allocator
+        if allocator is not None:
+            live = self._requests
+            max_model_len = self.max_model_len
+            running = RequestStatus.RUNNING
+            for index in range(start, len(requests)):
+                request = requests[index]
+                if (
+                    request.status is not running
+                    or live.get(request.request_id) is not request
+                    or request.num_computed_tokens >= max_model_len
+                ):
+                    break
+            else:
+                return allocator.allocate_decode(requests, start, self.enable_caching)
+        return self._allocate_decode_slots_slow(requests, start)
 
     def _allocate_decode_slots_slow(self, requests: Sequence[Request], start: int) -> DecodeSlots:
         """The general path (any groups), validating each request as `allocate_slots` does."""
@@ -529,11 +482,16 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release all of the request's blocks (unknown requests: a no-op)."""
         request_id = request.request_id
-        if self._requests.get(request_id) is request:
-            del self._requests[request_id]
-        elif request_id in self._requests:
+        live = self._requests
+        if live.get(request_id) is request:
+            del live[request_id]
+        elif request_id in live:
             return  # another live request owns this id; nothing of ours to free
-        self.coordinator.free(request_id)
+        allocator = self._running_allocator
+        if allocator is not None:
+            allocator.free(request_id)  # Hot path: the coordinator's fan-out, inlined
+        else:
+            self.coordinator.free(request_id)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """Forget the request's blocks without freeing them; free later with

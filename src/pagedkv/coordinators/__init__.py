@@ -1,7 +1,8 @@
 """Coordinators: one per manager, chosen once by `make_coordinator` from the configuration.
 
 `base` holds the shared fan-out and the no-cache and single-group coordinators, `hybrid` the
-multi-group hit search. The factory lives here, above both, so neither imports the other's
+multi-group hit search, `running` the fast paths for running requests. The factories live here
+and in `running`, above the coordinators, so neither coordinator module imports the other's
 subclasses (the base never knows the hybrid exists).
 """
 
@@ -15,6 +16,7 @@ from pagedkv.coordinators.base import (
     UnitaryKVCacheCoordinator,
 )
 from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator, SpecBucket
+from pagedkv.coordinators.running import RunningAllocator, make_running_allocator
 from pagedkv.eviction import EvictionConfig
 from pagedkv.specs import KVCacheConfig
 
@@ -56,7 +58,9 @@ __all__ = [
     "HybridKVCacheCoordinator",
     "KVCacheCoordinator",
     "KVCacheCoordinatorNoPrefixCache",
+    "RunningAllocator",
     "SpecBucket",
     "UnitaryKVCacheCoordinator",
     "make_coordinator",
+    "make_running_allocator",
 ]

@@ -24,8 +24,11 @@ class KVCacheCoordinator:
     """Fans manager calls out to every group; subclasses differ only in the hit search.
 
     Invariant (`check_invariants`): every block's `ref_cnt` equals the number of block tables,
-    across all groups, that hold it.
+    across all groups, that hold it. `cache_blocks(request, n)` caches every caching group's
+    full blocks up to `n` rounded down to a multiple of `cache_alignment_tokens`.
     """
+
+    cache_alignment_tokens = 1
 
     def __init__(
         self,

@@ -79,6 +79,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 f"block sizes' LCM {group_lcm}"
             )
         self.scheduler_block_size = scheduler_block_size or group_lcm
+        self.cache_alignment_tokens = self.scheduler_block_size
         super().__init__(
             kv_cache_config,
             max_model_len,
@@ -192,6 +193,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
         A hit can only end on such a boundary, so blocks past the last one are not hashed yet.
         """
-        num_tokens = num_computed_tokens // self.scheduler_block_size * self.scheduler_block_size
+        alignment = self.cache_alignment_tokens
+        num_tokens = num_computed_tokens // alignment * alignment
         if num_tokens:
             super().cache_blocks(request, num_tokens)
