@@ -24,11 +24,13 @@ EXTRAS = {
     "rich",
     "torch",
     "transformers",
+    "vllm",
     "xxhash",
     "zmq",
 }
-# Extras a package may import at module level: the engine is the torch adapter.
-EAGER_ALLOWED = {"engine": {"torch", "transformers"}}
+# Extras a package may import at module level: the engine is the torch adapter; the vLLM
+# integration is imported only by vLLM (its scheduler class, its pytest plugin).
+EAGER_ALLOWED = {"engine": {"torch", "transformers"}, "integrations": {"vllm", "torch"}}
 
 
 def module_level_imports(path: Path) -> set[str]:

@@ -33,7 +33,8 @@ from pagedkv.wire import (  # noqa: E402
 )
 
 # --------------------------------------------------------------------------- reference Structs
-# Written from REFERENCE 7.1 (field order and defaults), independently of pagedkv.wire.
+# Written from vLLM 0.33's vllm/distributed/kv_events.py (field order and defaults; 0.33 added
+# `lookahead_token_ids`), independently of pagedkv.wire.
 
 Hash = int | bytes
 
@@ -57,6 +58,7 @@ class RefBlockStored(RefEvent, tag="BlockStored"):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class RefBlockRemoved(RefEvent, tag="BlockRemoved"):
@@ -97,6 +99,7 @@ class RefArrayBlockStored(RefArrayEvent, tag="BlockStored"):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class RefArrayBlockRemoved(RefArrayEvent, tag="BlockRemoved"):
@@ -148,8 +151,9 @@ def known_events() -> list:
             kv_cache_spec_kind="sliding_window",
             kv_cache_spec_sliding_window=4,
             session_id="s1",
+            lookahead_token_ids=[[7]],
         ),
-        BlockRemoved(block_hashes=[D1], medium="GPU", group_idx=0),
+        BlockRemoved(block_hashes=[D1], medium="GPU", group_idx=0, locality="LOCAL"),
         AllBlocksCleared(),
     ]
 
@@ -188,8 +192,9 @@ def reference_events(use_int: bool, array: bool) -> list:
             kv_cache_spec_kind="sliding_window",
             kv_cache_spec_sliding_window=4,
             session_id="s1",
+            lookahead_token_ids=[[7]],
         ),
-        removed([h(D1)], "GPU", group_idx=0),
+        removed([h(D1)], "GPU", group_idx=0, locality="LOCAL"),
         cleared(),
     ]
 
@@ -296,7 +301,7 @@ def test_decoder_reads_extension_and_skips_unknown_events():
     decoder = EventDecoder()
     batch = decoder.decode(payload)
     assert batch.ts == 3.0 and batch.schema_version == 7 and batch.snapshot_next_seq == 12
-    assert batch.events == [BlockRemoved([1], "CPU")]
+    assert batch.events == [BlockRemoved([1], "CPU", locality="local")]
     assert decoder.num_unknown_events == 1
 
 

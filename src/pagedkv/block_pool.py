@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Protocol
 
 from pagedkv.block import BlockHash, KVCacheBlock
@@ -40,6 +41,10 @@ def _make_blocks(num_blocks: int) -> list[KVCacheBlock]:
     return blocks
 
 
+# The block mask of dense caching: endless True, shared (a C iterator, no state to spoil).
+_ALWAYS = repeat(True)
+
+
 class BlockResidencyObserver(Protocol):
     """Hooks for sampled block-residency metrics (see `pagedkv.metrics.residency`)."""
 
@@ -71,6 +76,7 @@ class BlockPool:
         enable_kv_cache_events: bool = False,
         metrics_collector: BlockResidencyObserver | None = None,
         medium: str = MEDIUM_GPU,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
             raise ConfigError(
@@ -81,9 +87,15 @@ class BlockPool:
             raise ConfigError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
         if num_kv_cache_groups < 1:
             raise ConfigError(f"num_kv_cache_groups={num_kv_cache_groups} must be >= 1")
+        if not isinstance(num_hash_lookahead_tokens, int) or num_hash_lookahead_tokens < 0:
+            raise ConfigError(
+                f"num_hash_lookahead_tokens must be an int >= 0, got {num_hash_lookahead_tokens!r}"
+            )
         self.num_gpu_blocks = num_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
+        # Each block hash also covers this many tokens after the block (events report them).
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.num_kv_cache_groups = num_kv_cache_groups
         self.medium = medium
         self.blocks: list[KVCacheBlock] = _make_blocks(num_blocks)
@@ -244,11 +256,13 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
         """Enter blocks [num_cached_blocks, num_full_blocks) of a request into the cache.
 
-        `block_hashes` are the request's hashes at this group's block size. Null blocks are
-        skipped. Emits one `BlockStored` covering the newly cached blocks.
+        `block_hashes` are the request's hashes at this group's block size. Null blocks, and
+        blocks whose entry in `block_mask` (aligned with the new blocks) is False, are skipped.
+        Emits one `BlockStored` covering the newly cached blocks.
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -265,9 +279,11 @@ class BlockPool:
         # Hot path: zip over slices instead of indexing; one dict operation per block.
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         new_block_hashes = block_hashes[num_cached_blocks:num_full_blocks]
-        for block, block_hash in zip(new_blocks, new_block_hashes, strict=False):
-            if block is null_block or block.block_hash is not None:
-                # Null padding is never cached; a block is hashed at most once.
+        keep = block_mask if block_mask is not None else _ALWAYS
+        for block, block_hash, kept in zip(new_blocks, new_block_hashes, keep, strict=False):
+            if block is null_block or block.block_hash is not None or not kept:
+                # Null padding is never cached; a block is hashed at most once; a masked block
+                # could never serve a hit.
                 skipped.append(block)
                 continue
             block.block_hash = block_hash
@@ -325,17 +341,26 @@ class BlockPool:
         parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
         start_token = num_cached_blocks * block_size
         end_token = num_full_blocks * block_size
+        # With hash lookahead, a block's hash (so its event keys) covers the next tokens too.
+        lookahead = self.num_hash_lookahead_tokens
         extra_keys = None
         if request.has_extra_keys:
             per_block = []
             cursor = 0
             for index in new_indices:
                 keys, cursor = generate_block_hash_extra_keys(
-                    request, index * block_size, (index + 1) * block_size, cursor
+                    request, index * block_size, (index + 1) * block_size + lookahead, cursor
                 )
                 per_block.append(to_event_extra_keys(keys))
             if any(keys is not None for keys in per_block):
                 extra_keys = per_block
+        lookahead_token_ids = None
+        if lookahead:
+            tokens = request.all_token_ids
+            lookahead_token_ids = [
+                tokens[(index + 1) * block_size : (index + 1) * block_size + lookahead]
+                for index in new_indices
+            ]
         lora = request.lora_request
         # Hot path: positional arguments (the dataclass's field order) halve the cost of the
         # keyword form; kv_cache_spec_kind and _sliding_window are filled by take_events.
@@ -351,7 +376,10 @@ class BlockPool:
             group_id,
             None,
             None,
+            None,
+            None,
             request.session_id,
+            lookahead_token_ids,
         )
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from pagedkv.block_pool import BlockResidencyObserver
 from pagedkv.coordinators.base import (
+    NO_SPEC_DECODE,
     BlockLists,
     KVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
     UnitaryKVCacheCoordinator,
 )
 from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator, SpecBucket
-from pagedkv.specs import KVCacheConfig
+from pagedkv.specs import KVCacheConfig, SpecDecodeConfig
 
 
 def make_coordinator(
@@ -27,6 +28,7 @@ def make_coordinator(
     max_in_flight_tokens: int | None = None,
     metrics_collector: BlockResidencyObserver | None = None,
     scheduler_block_size: int | None = None,
+    spec_decode: SpecDecodeConfig = NO_SPEC_DECODE,
 ) -> KVCacheCoordinator:
     """Pick the coordinator once: no caching, one group, or a hybrid of several groups."""
     args = (
@@ -40,11 +42,13 @@ def make_coordinator(
     )
     num_groups = len(kv_cache_config.kv_cache_groups)
     if not enable_caching or num_groups == 0:
-        return KVCacheCoordinatorNoPrefixCache(*args)
+        return KVCacheCoordinatorNoPrefixCache(*args, spec_decode=spec_decode)
     if num_groups == 1:
-        return UnitaryKVCacheCoordinator(*args)
+        return UnitaryKVCacheCoordinator(*args, spec_decode=spec_decode)
 
-    return HybridKVCacheCoordinator(*args, scheduler_block_size=scheduler_block_size)
+    return HybridKVCacheCoordinator(
+        *args, scheduler_block_size=scheduler_block_size, spec_decode=spec_decode
+    )
 
 
 __all__ = [
