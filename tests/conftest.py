@@ -7,9 +7,15 @@ test can prove a failed call left state exactly as it was.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
 
 import pytest
+
+# The engine's Triton kernels run in Triton's interpreter in tests (set before anything imports
+# triton; building a transformers model does). PAGEDKV_TEST_GPU=1 compiles them for a GPU.
+if not os.environ.get("PAGEDKV_TEST_GPU"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedkv import (
     FullAttentionSpec,

@@ -7,11 +7,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pagedkv.engine.attention import (  # noqa: E402
-    build_attention_metadata,
     get_attention_backend,
     paged_attention_reference,
     paged_attention_sdpa,
 )
+from pagedkv.engine.attention_metadata import build_attention_metadata  # noqa: E402
 from pagedkv.engine.paged_kv import PagedKVStore  # noqa: E402
 from pagedkv.errors import ConfigError, InvalidArgumentError, InvariantViolation  # noqa: E402
 from pagedkv.specs import (  # noqa: E402
@@ -71,10 +71,17 @@ def test_slot_mapping_and_positions_follow_block_tables():
     metadata = build_attention_metadata([[4, 9], [2, 7, 11]], [5, 0], [3, 6], BLOCK_SIZE)
     assert metadata.positions.tolist() == [5, 6, 7, 0, 1, 2, 3, 4, 5]
     assert metadata.slot_mapping.tolist() == [37, 38, 39, 8, 9, 10, 11, 28, 29]
-    assert metadata.query_start_loc == (0, 3, 9)
-    assert metadata.seq_lens == (8, 6)
-    # Tables trimmed to the longest reach (2 blocks) and padded with the null block.
+    assert metadata.query_start_loc.tolist() == [0, 3, 9]
+    assert metadata.seq_lens.tolist() == [8, 6]
+    assert metadata.num_computed_tokens.tolist() == [5, 0]
+    # CSR tables trimmed to the blocks each sequence reaches (2 each here).
+    assert metadata.block_ids.tolist() == [4, 9, 2, 7]
+    assert metadata.block_table_starts.tolist() == [0, 2, 4]
+    assert (metadata.max_query_len, metadata.max_seq_len, metadata.max_num_blocks) == (6, 8, 2)
+    # Padded for the gather backends with the null block.
     assert metadata.block_tables.tolist() == [[4, 9], [2, 7]]
+    ragged = build_attention_metadata([[4, 9, 3], [2]], [9, 0], [1, 2], BLOCK_SIZE)
+    assert ragged.block_tables.tolist() == [[4, 9, 3], [2, 0, 0]]
     assert metadata.padded_query_index.tolist() == [0, 1, 2, 6, 7, 8, 9, 10, 11]
 
 
@@ -173,6 +180,7 @@ def test_sdpa_decode_batch_matches_reference():
 
 
 def test_unknown_backend_is_rejected():
-    assert get_attention_backend("reference") is paged_attention_reference
+    assert get_attention_backend("reference").attend is paged_attention_reference
+    assert get_attention_backend("sdpa").attend is paged_attention_sdpa
     with pytest.raises(InvalidArgumentError, match="'flash'"):
         get_attention_backend("flash")

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("pagedkv.sched")
 
-from engine_support import tiny_model  # noqa: E402
+from engine_support import hf_greedy, tiny_model  # noqa: E402
 
 from pagedkv.cli import main  # noqa: E402
 from pagedkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -29,19 +29,6 @@ MODELS = {
     "llama": {},
     "qwen2": dict(use_sliding_window=True, sliding_window=7, max_window_layers=1),
 }
-
-
-def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
-    """transformers' own greedy generation, exactly `num_tokens` long (EOS cannot stop it)."""
-    output = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=num_tokens,
-        min_new_tokens=num_tokens,
-        pad_token_id=0,
-    )
-    return output[0, len(prompt) :].tolist()
 
 
 def random_tokens(rng: random.Random, num_tokens: int) -> list[int]:
@@ -101,8 +88,11 @@ def test_preemption_and_recompute_match_hf_generate(model_type):
     prompts = [random_tokens(rng, 10 + i) for i in range(4)]
     # Each request ends with cdiv(10 + i + 16, 4) = 7..8 blocks; 15 usable blocks hold two.
     engine = make_engine(model, num_blocks=16, max_model_len=32)
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=16))
-    engine.check_invariants()
+    request_ids = [engine.add_request(prompt, SamplingParams(max_tokens=16)) for prompt in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()  # table copies survive preemption and recompute
+    outputs = [engine.get_output(request_id) for request_id in request_ids]
     assert engine.stats.num_preemptions > 0
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.output_token_ids == hf_greedy(model, prompt, 16)
@@ -153,6 +143,7 @@ def test_hybrid_kv_cache_frees_out_of_window_blocks_and_matches_hf_generate():
     window_tables = []
     while engine.has_unfinished_requests():
         engine.step()
+        engine.check_invariants()  # the engine's table copies agree with the manager's
         if engine.has_unfinished_requests():
             window_tables.append(engine.kv_cache_manager.get_block_ids(request_id)[1])
     engine.check_invariants()
@@ -211,6 +202,9 @@ def test_engine_stops_at_stop_tokens_and_validates_input():
     assert output.finish_reason == "stop"
     with pytest.raises(InvalidArgumentError, match="exceed max_model_len=128"):
         engine.add_request(list(range(3, 120)), SamplingParams(max_tokens=20))
+    with pytest.raises(InvalidArgumentError, match=r"\[256, -1\] are outside the vocabulary"):
+        engine.add_request([5, 256, -1], SamplingParams(max_tokens=2))
+
     with pytest.raises(ConfigError, match="exactly one of num_blocks"):
         EngineConfig(num_blocks=8, kv_cache_memory_bytes=1 << 20)
 
@@ -254,3 +248,55 @@ def test_generate_cli_on_a_checkpoint_with_a_local_tokenizer(tmp_path, capsys):
     assert main(argv + ["--token-ids", "--prompt", "4,5,6,7"]) == 0
     (by_ids,) = json.loads(capsys.readouterr().out)["outputs"]
     assert by_ids["output_token_ids"] == output["output_token_ids"] and "text" not in by_ids
+
+
+def test_the_model_eos_stops_generation_unless_ignored():
+    model = tiny_model("llama")
+    prompt = random_tokens(random.Random(7), 9)
+    free_run = make_engine(model, ignore_eos=True).generate([prompt], SamplingParams(8))[0]
+    eos = free_run.output_token_ids[2]
+    model.generation_config.eos_token_id = eos
+    (stopped,) = make_engine(model).generate([prompt], SamplingParams(max_tokens=8))
+    assert stopped.output_token_ids == free_run.output_token_ids[:3] == hf_greedy(model, prompt, 8)
+    assert stopped.finish_reason == "stop" and free_run.finish_reason == "length"
+
+
+def test_a_llama_config_with_a_sliding_window_field_gets_no_window():
+    # transformers' Llama attention ignores `sliding_window`; only the Mistral family applies
+    # it. (transformers' `generate` does not: its DynamicCache builds sliding-window cache
+    # layers from the field and drops keys during decoding, which the model's own forward
+    # never does; so the yardstick here is greedy decoding by full forwards.)
+    model = tiny_model("llama", sliding_window=3)
+    assert model.config.sliding_window == 3
+    engine = make_engine(model)
+    assert [plan.sliding_window for plan in engine.runner.layer_plans] == [None, None]
+    prompt = random_tokens(random.Random(10), 12)
+    (output,) = engine.generate([prompt], SamplingParams(max_tokens=6))
+    sequence = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
+    assert output.output_token_ids == sequence[12:]
+
+
+@pytest.mark.parametrize(
+    ("rope", "name"),
+    [
+        (dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0), "dynamic"),
+        (
+            dict(
+                rope_type="longrope",
+                short_factor=[1.0] * 8,
+                long_factor=[2.0] * 8,
+                factor=2.0,
+                original_max_position_embeddings=128,
+                rope_theta=10000.0,
+            ),
+            "longrope",
+        ),
+    ],
+)
+def test_batch_dependent_rope_is_refused(rope, name):
+    model = tiny_model("llama", rope_parameters=rope)
+    with pytest.raises(ConfigError, match=f"RoPE type '{name}' rescales frequencies"):
+        make_engine(model)

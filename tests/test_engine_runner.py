@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from engine_support import TINY, tiny_model  # noqa: E402
 
-from pagedkv.engine.attention import build_attention_metadata  # noqa: E402
+from pagedkv.engine.attention_metadata import build_attention_metadata  # noqa: E402
 from pagedkv.engine.model_runner import (  # noqa: E402
     ModelRunner,
     layer_sliding_windows,

@@ -8,6 +8,9 @@ pagedkv's scheduler and KV-cache manager).
 
 from __future__ import annotations
 
+import os
+import sys
+
 from pagedkv.errors import MissingDependencyError
 
 try:
@@ -16,3 +19,21 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise MissingDependencyError(
         "pagedkv.engine needs PyTorch and transformers: pip install 'pagedkv[torch]'"
     ) from exc
+
+
+def choose_triton_mode() -> None:
+    """Select Triton's interpreter when there is no GPU, before triton is first imported.
+
+    Triton decides when it decorates a function (its own library functions too, at import)
+    whether it is compiled or interpreted, and without a GPU only the interpreter can run a
+    kernel. Building a transformers model imports triton (through torch._dynamo), so this runs
+    when `pagedkv.engine` is imported; it changes nothing once triton is loaded or the user
+    chose a mode.
+    """
+    if "triton" in sys.modules or "TRITON_INTERPRET" in os.environ:
+        return
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+choose_triton_mode()

@@ -1,148 +1,47 @@
-"""Engine adapter: causal attention over block tables (a gather-based reference and SDPA).
+"""Engine adapter: causal attention over block tables, and the registry of attention backends.
 
-A step's tokens are flattened: sequence b owns query rows `[query_start_loc[b],
-query_start_loc[b + 1])`, at positions `num_computed_tokens[b] + i`; its keys and values for
-positions `[0, seq_len)` live in the paged store at the blocks of its block table. Token q sees
-key position j iff `j <= q` and, with a sliding window W, `j > q - W` (W tokens, itself included,
-as in transformers). Knows nothing of models or of the KV-cache manager.
+Token q sees key position j iff `j <= q` and, with a sliding window W, `j > q - W` (W tokens,
+itself included, as in transformers). Backends: `reference` (per-sequence gather, explicit
+mask, float32 softmax: the yardstick), `sdpa` (gather every sequence's blocks into a padded
+tensor, one SDPA call: the CPU path and the fallback), `triton` (kernels that read the pool
+through the block tables, `triton_attention`). Knows nothing of models or of the manager.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from pagedkv.engine.paged_kv import NULL_BLOCK_ID, slot_mapping
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.engine.attention_metadata import AttentionMetadata
+from pagedkv.engine.paged_kv import write_kv_torch
+from pagedkv.errors import InvalidArgumentError, MissingDependencyError
 from pagedkv.specs import cdiv
 
-ATTENTION_BACKENDS = ("sdpa", "reference")
+ATTENTION_BACKENDS = ("sdpa", "reference", "triton")
+
+AttendFn = Callable[
+    [torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None"], torch.Tensor
+]
+WriteKVFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-@dataclass(eq=False)
-class AttentionMetadata:
-    """Where one step's tokens sit, for the layers of one KV-cache group (one block size).
+@dataclass(frozen=True)
+class AttentionBackend:
+    """How a layer stores its new K/V (`write_kv`) and attends over the pool (`attend`).
 
-    Python tuples serve the reference loop; tensors (on the model's device) serve the fast
-    path. `block_tables` is `[num_seqs, max_num_blocks]`, padded with the null block, trimmed
-    to the blocks the longest sequence reaches.
+    `attend(query [num_tokens, num_heads, head_dim], kv_cache, metadata, scale, window)`
+    returns `[num_tokens, num_heads, head_dim]`; `write_kv(kv_cache, key, value, slot_mapping)`.
+    `graph_safe`: no host syncs and no shapes that vary with the step's contents (may be
+    captured in a CUDA graph).
     """
 
-    block_size: int
-    query_start_loc: tuple[int, ...]
-    num_computed_tokens: tuple[int, ...]
-    seq_lens: tuple[int, ...]
-    max_query_len: int
-    block_tables: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    # Row of each token in the padded `[num_seqs * max_query_len]` query layout.
-    padded_query_index: torch.Tensor
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.query_start_loc[-1]
-
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """Boolean `[num_seqs, 1, max_query_len, max_num_blocks * block_size]` (True: attend)."""
-        mask = self._masks.get(sliding_window)
-        if mask is None:
-            mask = self._build_mask(sliding_window)
-            self._masks[sliding_window] = mask
-        return mask
-
-    def _build_mask(self, sliding_window: int | None) -> torch.Tensor:
-        device = self.block_tables.device
-        num_kv_slots = self.block_tables.shape[1] * self.block_size
-        computed = torch.tensor(self.num_computed_tokens, device=device)
-        seq_lens = torch.tensor(self.seq_lens, device=device)
-        rows = torch.arange(self.max_query_len, device=device)
-        # Padding rows repeat the sequence's last query so no row is empty (SDPA would NaN).
-        query_pos = torch.minimum(computed[:, None] + rows, (seq_lens - 1)[:, None])
-        key_pos = torch.arange(num_kv_slots, device=device)
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]
-        if sliding_window is not None:
-            mask &= key_pos[None, None, :] > (query_pos - sliding_window)[:, :, None]
-        return mask[:, None]
-
-
-def build_attention_metadata(
-    block_tables: Sequence[Sequence[int]],
-    num_computed_tokens: Sequence[int],
-    num_new_tokens: Sequence[int],
-    block_size: int,
-    device: torch.device | str = "cpu",
-) -> AttentionMetadata:
-    """Metadata for a step in which sequence b computes `num_new_tokens[b]` tokens.
-
-    Raises `InvalidArgumentError` if a block table is too short for its sequence or a new
-    token would land in the null block.
-    """
-    num_seqs = len(block_tables)
-    if not num_seqs or len(num_computed_tokens) != num_seqs or len(num_new_tokens) != num_seqs:
-        raise InvalidArgumentError(
-            f"need one block table, computed count and new count per sequence, got "
-            f"{num_seqs}, {len(num_computed_tokens)}, {len(num_new_tokens)}"
-        )
-    seq_lens = []
-    query_start_loc = [0]
-    num_blocks_needed = []
-    for table, num_computed, num_new in zip(
-        block_tables, num_computed_tokens, num_new_tokens, strict=True
-    ):
-        if num_new <= 0 or num_computed < 0:
-            raise InvalidArgumentError(
-                f"sequence with {num_computed} computed and {num_new} new tokens"
-            )
-        seq_len = num_computed + num_new
-        needed = cdiv(seq_len, block_size)
-        if len(table) < needed:
-            raise InvalidArgumentError(
-                f"block table of {len(table)} blocks cannot hold {seq_len} tokens "
-                f"(block size {block_size})"
-            )
-        first_new_block = num_computed // block_size
-        if NULL_BLOCK_ID in table[first_new_block:needed]:
-            raise InvalidArgumentError(
-                f"block table {list(table)} would write tokens {num_computed}..{seq_len - 1} "
-                "into the null block"
-            )
-        seq_lens.append(seq_len)
-        query_start_loc.append(query_start_loc[-1] + num_new)
-        num_blocks_needed.append(needed)
-    max_num_blocks = max(num_blocks_needed)
-    padded_tables = [
-        list(table[:needed]) + [NULL_BLOCK_ID] * (max_num_blocks - needed)
-        for table, needed in zip(block_tables, num_blocks_needed, strict=True)
-    ]
-    max_query_len = max(num_new_tokens)
-    tables = torch.tensor(padded_tables, dtype=torch.long, device=device)
-    num_tokens = query_start_loc[-1]
-    counts = torch.tensor(list(num_new_tokens), dtype=torch.long, device=device)
-    token_to_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), counts)
-    starts = torch.tensor(query_start_loc[:-1], dtype=torch.long, device=device)
-    offsets = torch.arange(num_tokens, device=device) - starts[token_to_seq]
-    computed = torch.tensor(list(num_computed_tokens), dtype=torch.long, device=device)
-    positions = computed[token_to_seq] + offsets
-    return AttentionMetadata(
-        block_size=block_size,
-        query_start_loc=tuple(query_start_loc),
-        num_computed_tokens=tuple(num_computed_tokens),
-        seq_lens=tuple(seq_lens),
-        max_query_len=max_query_len,
-        block_tables=tables,
-        positions=positions,
-        slot_mapping=slot_mapping(tables, token_to_seq, positions, block_size),
-        padded_query_index=token_to_seq * max_query_len + offsets,
-    )
+    name: str
+    attend: AttendFn
+    write_kv: WriteKVFn
+    graph_safe: bool = False
 
 
 def paged_attention_reference(
@@ -156,23 +55,26 @@ def paged_attention_reference(
 
     Gathers each sequence's keys and values through its block table, repeats KV heads for
     grouped-query attention, and applies the causal (and window) mask explicitly; softmax in
-    float32. Clear rather than fast: the yardstick for `paged_attention_sdpa`.
+    float32. Clear rather than fast (it reads the metadata back to the host).
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     output = torch.empty_like(query)
+    query_start_loc = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    tables = metadata.block_tables
     for seq in range(metadata.num_seqs):
-        start, end = metadata.query_start_loc[seq], metadata.query_start_loc[seq + 1]
-        seq_len = metadata.seq_lens[seq]
+        start, end = query_start_loc[seq], query_start_loc[seq + 1]
+        seq_len = seq_lens[seq]
         num_blocks = cdiv(seq_len, metadata.block_size)
-        pages = kv_cache[metadata.block_tables[seq, :num_blocks]]  # [blocks, 2, bs, kvh, d]
+        pages = kv_cache[tables[seq, :num_blocks]]  # [blocks, 2, bs, kvh, d]
         keys = pages[:, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         values = pages[:, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
         q = query[start:end].float()
         scores = torch.einsum("qhd,khd->hqk", q, keys.float()) * scale
-        query_pos = torch.arange(metadata.num_computed_tokens[seq], seq_len, device=query.device)
+        query_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         key_pos = torch.arange(seq_len, device=query.device)
         allowed = key_pos[None, :] <= query_pos[:, None]
         if sliding_window is not None:
@@ -206,8 +108,9 @@ def paged_attention_sdpa(
     if max_query_len == 1:
         padded = query.view(num_seqs, 1, num_heads, head_dim)  # decode: already one row a seq
     else:
+        padded_query_index = metadata.padded_query_index
         padded = query.new_zeros(num_seqs * max_query_len, num_heads, head_dim)
-        padded.index_copy_(0, metadata.padded_query_index, query)
+        padded.index_copy_(0, padded_query_index, query)
         padded = padded.view(num_seqs, max_query_len, num_heads, head_dim)
     out = F.scaled_dot_product_attention(
         padded.transpose(1, 2),
@@ -220,13 +123,30 @@ def paged_attention_sdpa(
     out = out.transpose(1, 2).reshape(num_seqs * max_query_len, num_heads, head_dim)
     if max_query_len == 1:
         return out
-    return out.index_select(0, metadata.padded_query_index)
+    return out.index_select(0, padded_query_index)
 
 
-def get_attention_backend(name: str):
-    """The attention function called `name` (one of `ATTENTION_BACKENDS`)."""
+def get_attention_backend(name: str) -> AttentionBackend:
+    """The attention backend called `name` (one of `ATTENTION_BACKENDS`).
+
+    Raises `InvalidArgumentError` for an unknown name and `MissingDependencyError` when the
+    `triton` backend is asked for without Triton installed.
+    """
     if name == "sdpa":
-        return paged_attention_sdpa
+        return AttentionBackend("sdpa", paged_attention_sdpa, write_kv_torch)
     if name == "reference":
-        return paged_attention_reference
+        return AttentionBackend("reference", paged_attention_reference, write_kv_torch)
+    if name == "triton":
+        try:
+            from pagedkv.engine import triton_attention
+        except ImportError as exc:
+            raise MissingDependencyError(
+                f"the triton attention backend needs Triton: pip install 'pagedkv[gpu]' ({exc})"
+            ) from exc
+        return AttentionBackend(
+            "triton",
+            triton_attention.paged_attention_triton,
+            triton_attention.write_kv_triton,
+            graph_safe=True,
+        )
     raise InvalidArgumentError(f"attention backend {name!r}: choose one of {ATTENTION_BACKENDS}")

@@ -9,18 +9,27 @@ manager; the engine only honours the block tables they give.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import time
 import zlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.engine.attention import build_attention_metadata
-from pagedkv.engine.model_runner import ModelRunner, make_kv_cache_config
+from pagedkv.engine.attention_metadata import derive_metadata, pack_step, to_device
+from pagedkv.engine.cuda_graphs import DecodeGraphs
+from pagedkv.engine.model_runner import ModelRunner, eos_token_ids, make_kv_cache_config
+from pagedkv.engine.paged_kv import NULL_BLOCK_ID
 from pagedkv.engine.sampling import SamplingParams, make_generator, sample_tokens
-from pagedkv.errors import ConfigError, InvalidArgumentError, RequestStateError
+from pagedkv.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    InvariantViolation,
+    RequestStateError,
+)
 from pagedkv.hashing import make_request_block_hasher
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request, RequestStatus
@@ -35,7 +44,13 @@ _FINISH_REASONS = {
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Cache and batching settings. Give `num_blocks` or `kv_cache_memory_bytes`."""
+    """Cache and batching settings. Give `num_blocks` or `kv_cache_memory_bytes`.
+
+    `attention_backend` "auto" is `triton` on a GPU when Triton is installed, else `sdpa`.
+    Requests stop at `stop_token_ids` and, unless `ignore_eos`, at the model's EOS ids (as
+    transformers' `generate` does). `cuda_graphs` replays decode steps from CUDA graphs when
+    the backend allows it (on CPU the same padded path runs eagerly: for tests).
+    """
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -45,10 +60,12 @@ class EngineConfig:
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = "sdpa"
+    attention_backend: str = "auto"
     hash_algorithm: str = "sha256"
     hybrid_kv_cache: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    cuda_graphs: bool = True
     seed: int = 0
     record_logits: bool = False
 
@@ -106,8 +123,17 @@ class LLMEngine:
         )
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         self.runner = ModelRunner(
-            model, self.kv_cache_config, attention_backend=config.attention_backend
+            model, self.kv_cache_config, attention_backend=resolve_backend(config, model)
         )
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.stop_token_ids = tuple(config.stop_token_ids) + (
+            () if config.ignore_eos else eos_token_ids(model)
+        )
+        self.graphs = None
+        if config.cuda_graphs and self.runner.backend.graph_safe:
+            self.graphs = DecodeGraphs(
+                self.runner, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len
+            )
         self.kv_cache_manager = KVCacheManager(
             self.kv_cache_config,
             self.max_model_len,
@@ -121,7 +147,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
-                stop_token_ids=config.stop_token_ids,
+                stop_token_ids=self.stop_token_ids,
             ),
             policy=FCFSPolicy(),
         )
@@ -138,6 +164,9 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator | None] = {}
         self._requests: dict[str, Request] = {}
         self._seen: set[str] = set()
+        # Each running request's block ids per group, extended by the blocks each step adds
+        # (reading whole tables every step costs O(context) Python per request).
+        self._tables: dict[str, tuple[list[int], ...]] = {}
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ requests
@@ -153,6 +182,14 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._outputs:
             raise RequestStateError(f"request id {request_id!r} is already in use")
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad or not prompt_token_ids:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: token ids {bad[:5]!r} are outside the vocabulary "
+                f"[0, {self.vocab_size})"
+                if bad
+                else f"request {request_id!r}: the prompt is empty"
+            )
         num_tokens = len(prompt_token_ids) + params.max_tokens
         if num_tokens > self.max_model_len:
             raise InvalidArgumentError(
@@ -202,6 +239,8 @@ class LLMEngine:
         if prefix_stats is not None:
             stats.num_prefix_hit_tokens += prefix_stats.hits
             stats.num_prefix_queried_tokens += prefix_stats.queries
+        for request_id in out.preempted_request_ids:  # their blocks are gone
+            self._tables.pop(request_id, None)
         sampled: dict[str, list[int]] = {}
         if out.scheduled:
             sampled = self._execute(out.scheduled)
@@ -221,6 +260,7 @@ class LLMEngine:
         input_ids: list[int] = []
         num_computed: list[int] = []
         num_new: list[int] = []
+        tables: list[tuple[list[int], ...]] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         for item in scheduled:
@@ -230,6 +270,7 @@ class LLMEngine:
             input_ids.extend(request.all_token_ids[start:end])
             num_computed.append(start)
             num_new.append(item.num_scheduled_tokens)
+            tables.append(self._block_tables(item))
             output = self._outputs[request.request_id]
             if request.request_id not in self._seen:
                 self._seen.add(request.request_id)
@@ -237,24 +278,9 @@ class LLMEngine:
             if item.is_prefill_chunk_complete:
                 sample_rows.append(len(input_ids) - 1)
                 sample_requests.append(request)
-        device = self.runner.device
-        metadata = [
-            build_attention_metadata(
-                [item.block_ids[group_id] for item in scheduled],
-                num_computed,
-                num_new,
-                block_size,
-                device,
-            )
-            for group_id, block_size in enumerate(self.runner.block_sizes)
-        ]
         self.stats.num_computed_tokens += len(input_ids)
         # A step of prefill chunks that complete no prompt still runs: it writes their KV.
-        logits = self.runner.forward(
-            torch.tensor(input_ids, device=device),
-            metadata,
-            torch.tensor(sample_rows, dtype=torch.long, device=device),
-        )
+        logits = self._forward(input_ids, num_computed, num_new, tables, sample_rows)
         if not sample_rows:
             return {}
         ids = [request.request_id for request in sample_requests]
@@ -271,9 +297,68 @@ class LLMEngine:
             sampled[request_id] = [token]
         return sampled
 
+    def _block_tables(self, item) -> tuple[list[int], ...]:
+        """The request's block ids per group, as the manager gave them up to this step.
+
+        Blocks the manager later swaps for the null block (behind a sliding window) keep
+        their old id here; they lie outside every window this request still reads.
+        """
+        request_id = item.request.request_id
+        rows = self._tables.get(request_id)
+        if rows is None:
+            rows = self._tables[request_id] = tuple(list(ids) for ids in item.block_ids)
+        else:
+            for row, new_ids in zip(rows, item.new_block_ids, strict=True):
+                row.extend(new_ids)
+        return rows
+
+    def _forward(
+        self,
+        input_ids: list[int],
+        num_computed: list[int],
+        num_new: list[int],
+        tables: list[tuple[list[int], ...]],
+        sample_rows: list[int],
+    ) -> torch.Tensor:
+        """Logits of `sample_rows`: a CUDA-graph replay for decode batches, else eager."""
+        runner = self.runner
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and len(input_ids) == len(num_new)  # one new token a sequence: decode only
+            and graphs.bucket_for(len(num_new)) is not None
+        ):
+            seq_lens = [computed + 1 for computed in num_computed]
+            group_tables = [[row[g] for row in tables] for g in range(len(runner.block_sizes))]
+            logits = graphs.execute(input_ids, group_tables, seq_lens)  # one row a sequence
+            # A one-token prefill chunk that leaves its prompt unfinished samples nothing.
+            return logits if len(sample_rows) == len(input_ids) else logits[sample_rows]
+        device = runner.device
+        metadata = []
+        for group_id, block_size in enumerate(runner.block_sizes):
+            step = pack_step([row[group_id] for row in tables], num_computed, num_new, block_size)
+            metadata.append(
+                derive_metadata(
+                    to_device(step.host, device),
+                    block_size=block_size,
+                    num_seqs=step.num_seqs,
+                    num_tokens=step.num_tokens,
+                    max_query_len=step.max_query_len,
+                    max_seq_len=step.max_seq_len,
+                    max_num_blocks=step.max_num_blocks,
+                )
+            )
+        # Hot path: token ids and sampled rows travel in one copy.
+        host = torch.frombuffer(array("q", input_ids + sample_rows), dtype=torch.long)
+        ids_and_rows = to_device(host, device)
+        return runner.forward(
+            ids_and_rows[: len(input_ids)], metadata, ids_and_rows[len(input_ids) :]
+        )
+
     def _finish(self, request: Request) -> RequestOutput:
         request_id = request.request_id
         del self._params[request_id], self._generators[request_id], self._requests[request_id]
+        self._tables.pop(request_id, None)
         output = self._outputs[request_id]
         output.finish_reason = _FINISH_REASONS.get(request.status, request.status.name.lower())
         return output
@@ -294,6 +379,24 @@ class LLMEngine:
         return [self._outputs[request_id] for request_id in request_ids]
 
     def check_invariants(self) -> None:
-        """Check the manager and the store (the null block untouched)."""
+        """Check the manager, the store (the null block untouched) and the engine's copies of
+        the block tables (equal to the manager's wherever the manager's are not null)."""
         self.kv_cache_manager.check_invariants()
         self.runner.store.check_invariants()
+        for request_id, rows in self._tables.items():
+            for row, ids in zip(rows, self.kv_cache_manager.get_block_ids(request_id), strict=True):
+                if len(row) != len(ids) or any(
+                    b not in (a, NULL_BLOCK_ID) for a, b in zip(row, ids, strict=True)
+                ):
+                    raise InvariantViolation(
+                        f"request {request_id!r}: engine table {row} != manager table {ids}"
+                    )
+
+
+def resolve_backend(config: EngineConfig, model) -> str:
+    """The attention backend to use: `config.attention_backend`, with "auto" resolved."""
+    if config.attention_backend != "auto":
+        return config.attention_backend
+    if next(model.parameters()).device.type != "cuda":
+        return "sdpa"
+    return "triton" if importlib.util.find_spec("triton") is not None else "sdpa"

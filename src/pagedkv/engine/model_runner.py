@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.engine.attention import AttentionMetadata, get_attention_backend
+from pagedkv.engine.attention import get_attention_backend
+from pagedkv.engine.attention_metadata import AttentionMetadata
 from pagedkv.engine.paged_kv import PagedKVStore
 from pagedkv.errors import ConfigError, InvalidArgumentError
 from pagedkv.sizing import get_kv_cache_config, get_kv_cache_layout, get_num_blocks
@@ -30,6 +31,55 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 _WEIGHT_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+# Architectures whose attention reads `config.sliding_window` for every layer (in transformers,
+# Llama ignores the field; Qwen2/Qwen3 decide per layer and say so on the module).
+_CONFIG_WINDOW_ARCHITECTURES = ("MistralForCausalLM",)
+
+
+def _config_file(model_path: str | Path) -> Path:
+    path = Path(model_path)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise InvalidArgumentError(f"model path {str(model_path)!r} has no config.json")
+    return config_file
+
+
+def _has_weights(model_path: str | Path) -> bool:
+    path = Path(model_path)
+    return path.is_dir() and any(
+        next(path.glob(pattern), None) is not None for pattern in _WEIGHT_FILE_PATTERNS
+    )
+
+
+def load_config(model_path: str | Path):
+    """The transformers config of a checkpoint directory or a `config.json` (no weights read).
+
+    Raises `InvalidArgumentError` without a config.json and `ConfigError` for one transformers
+    cannot read.
+    """
+    from transformers import AutoConfig
+
+    config_file = _config_file(model_path)
+    try:
+        config_dict = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{config_file} is not a readable JSON config: {exc}") from exc
+    model_type = config_dict.pop("model_type", None) if isinstance(config_dict, dict) else None
+    if model_type is None:
+        raise ConfigError(f"{config_file} has no model_type")
+    try:
+        return AutoConfig.for_model(model_type, **config_dict)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{config_file}: transformers cannot build this config: {exc}") from exc
+
+
+def count_parameters(config) -> int:
+    """Parameters of the model `config` describes, counted on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(parameter.numel() for parameter in model.parameters())
 
 
 def load_model(
@@ -45,23 +95,14 @@ def load_model(
     offline), or a `config.json` file / a directory holding only one (the model is built with
     `from_config` and random weights drawn after `torch.manual_seed(seed)`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    path = Path(model_path)
-    config_file = path / "config.json" if path.is_dir() else path
-    if not config_file.is_file():
-        raise InvalidArgumentError(f"model path {str(model_path)!r} has no config.json")
-    has_weights = path.is_dir() and any(
-        next(path.glob(pattern), None) is not None for pattern in _WEIGHT_FILE_PATTERNS
-    )
-    if has_weights:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    if _has_weights(model_path):
+        model = AutoModelForCausalLM.from_pretrained(
+            Path(model_path), dtype=dtype, local_files_only=True
+        )
     else:
-        config_dict = json.loads(config_file.read_text())
-        model_type = config_dict.pop("model_type", None)
-        if model_type is None:
-            raise ConfigError(f"{config_file} has no model_type")
-        config = AutoConfig.for_model(model_type, **config_dict)
+        config = load_config(model_path)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.to(device).eval()  # type: ignore[arg-type]
@@ -79,15 +120,51 @@ class LayerPlan:
 def layer_sliding_windows(model) -> list[int | None]:
     """The sliding window of each decoder layer, as the model's own attention applies it."""
     config = model.config
+    config_window = None
+    if type(model).__name__ in _CONFIG_WINDOW_ARCHITECTURES:
+        config_window = getattr(config, "sliding_window", None)
     windows = []
     for layer in model.model.layers:
         attn = layer.self_attn
-        # Qwen2/Qwen3 decide per layer (config.layer_types); Mistral reads the config.
-        if hasattr(attn, "sliding_window"):
-            windows.append(attn.sliding_window)
-        else:
-            windows.append(getattr(config, "sliding_window", None))
+        # Qwen2/Qwen3 decide per layer (config.layer_types) and keep it on the module.
+        windows.append(attn.sliding_window if hasattr(attn, "sliding_window") else config_window)
     return windows
+
+
+def _rope_types(config) -> list[str]:
+    """Every RoPE type a config names (transformers 5 may keep one per layer type)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not params:
+        return []
+    values = params.values() if all(isinstance(v, dict) for v in params.values()) else [params]
+    return [str(p.get("rope_type") or p.get("type") or "default") for p in values]
+
+
+def check_rope(config) -> None:
+    """Raise `ConfigError` for RoPE types whose frequencies depend on the batch.
+
+    transformers' `dynamic` and `longrope` recompute the frequencies from the longest position
+    in the forward pass, so a request's keys would depend on what it is batched with (and,
+    in transformers itself, on the path its cache took); the engine refuses them.
+    """
+    for rope_type in _rope_types(config):
+        if "dynamic" in rope_type or rope_type == "longrope":
+            raise ConfigError(
+                f"RoPE type {rope_type!r} rescales frequencies by the batch's longest position; "
+                "the paged engine supports only position-independent RoPE (default, linear, "
+                "llama3, yarn)"
+            )
+
+
+def eos_token_ids(model) -> tuple[int, ...]:
+    """The EOS ids transformers' `generate` stops at (generation config, else model config)."""
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
 
 
 def _head_dim(config) -> int:
@@ -161,7 +238,8 @@ class ModelRunner:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.attention = get_attention_backend(attention_backend)
+        check_rope(model.config)
+        self.backend = get_attention_backend(attention_backend)
         self.store = PagedKVStore(kv_cache_config, dtype=self.dtype, device=self.device)
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         windows = layer_sliding_windows(model)
@@ -231,12 +309,7 @@ class ModelRunner:
             query = attn.q_norm(query)
             key = attn.k_norm(key)
         query, key = self._apply_rotary(query, key, cos, sin, unsqueeze_dim=1)
-        self.store.write(plan.layer_name, key, value, metadata.slot_mapping)
-        out = self.attention(
-            query,
-            self.store.kv_caches[plan.layer_name],
-            metadata,
-            attn.scaling,
-            plan.sliding_window,
-        )
+        kv_cache = self.store.kv_caches[plan.layer_name]
+        self.backend.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        out = self.backend.attend(query, kv_cache, metadata, attn.scaling, plan.sliding_window)
         return attn.o_proj(out.reshape(num_tokens, -1))

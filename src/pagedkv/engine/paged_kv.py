@@ -15,6 +15,9 @@ from pagedkv.errors import ConfigError, InvalidArgumentError, InvariantViolation
 from pagedkv.specs import AttentionSpec, KVCacheConfig, cdiv
 
 NULL_BLOCK_ID = 0
+# Slot of a padding token in a CUDA-graph batch: written nowhere. A device tensor has no None,
+# so the padding is marked in band here and nowhere else (the kernels skip slots < 0).
+PAD_SLOT_ID = -1
 
 
 def kv_page_shape(spec: AttentionSpec) -> tuple[int, int, int, int]:
@@ -112,18 +115,8 @@ class PagedKVStore:
     def write(
         self, layer_name: str, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Store `key`/`value` (`[num_tokens, num_kv_heads, head_dim]`) at their slots.
-
-        `slot_mapping[i] = block_id * block_size + offset` for token i; the caller (the metadata
-        builder) has checked that no slot lies in the null block.
-        """
-        # Hot path: one scatter per tensor, no host sync.
-        kv = self.kv_caches[layer_name]
-        block_size = kv.shape[2]
-        block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
-        offsets = slot_mapping - block_ids * block_size
-        kv[:, 0].index_put_((block_ids, offsets), key)
-        kv[:, 1].index_put_((block_ids, offsets), value)
+        """Store `key`/`value` (`[num_tokens, num_kv_heads, head_dim]`) at their slots."""
+        write_kv_torch(self.kv_caches[layer_name], key, value, slot_mapping)
 
     def read_tokens(
         self, layer_name: str, block_ids: Sequence[int], num_tokens: int
@@ -148,19 +141,18 @@ class PagedKVStore:
                 raise InvariantViolation(f"layer {layer_name!r}: the null block was written")
 
 
-def slot_mapping(
-    block_tables: torch.Tensor,
-    token_to_seq: torch.Tensor,
-    positions: torch.Tensor,
-    block_size: int,
-) -> torch.Tensor:
-    """Slot of every token: `block_tables[seq, pos // block_size] * block_size + pos % block_size`.
+def write_kv_torch(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store `key`/`value` (`[num_tokens, num_kv_heads, head_dim]`) at their slots.
 
-    Args:
-        block_tables: `[num_seqs, max_num_blocks]` block ids (padded with the null block).
-        token_to_seq: `[num_tokens]` the sequence each token belongs to.
-        positions: `[num_tokens]` each token's position in its sequence.
+    `slot_mapping[i] = block_id * block_size + offset` for token i; the caller (the metadata
+    builder) has checked that no slot lies in the null block. Padding slots are not allowed
+    here (only the Triton kernel skips them).
     """
-    block_index = torch.div(positions, block_size, rounding_mode="floor")
-    block_ids = block_tables[token_to_seq, block_index]
-    return block_ids * block_size + (positions - block_index * block_size)
+    # Hot path: one scatter per tensor, no host sync.
+    block_size = kv_cache.shape[2]
+    block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - block_ids * block_size
+    kv_cache[:, 0].index_put_((block_ids, offsets), key)
+    kv_cache[:, 1].index_put_((block_ids, offsets), value)
