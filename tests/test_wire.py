@@ -388,3 +388,18 @@ def test_round_trip_of_real_manager_events(layout, hash_format):
     assert batch.schema_version == SCHEMA_VERSION and batch.data_parallel_rank == 0
     # Decoded events encode to the same bytes again (hashes already external).
     assert encoder.encode(batch) == encoder.encode(EventBatch(4.0, events, 0))
+
+
+def test_block_stored_map_header_is_16_bit_as_vllm_033():
+    # vLLM 0.33's BlockStored has 15 fields plus the tag: msgspec writes a map16 header
+    # (0xde + 2-byte count of the keys present) even when few keys are present; 14-field
+    # structs (0.32) fit a fixmap. Our encoder writes the same bytes.
+    payload = encode_batch([known_events()[0]], ts=1.0)
+    events_array = payload.index(b"\x91")  # the one-event array, after [ts ...
+    assert payload[events_array + 1 : events_array + 4] == b"\xde\x00\x0a"  # 10 keys
+    assert RefBlockStored.__struct_fields__[-1] == "lookahead_token_ids"
+    decoded = decode_batch(
+        EventEncoder(hash_format="bytes").encode(EventBatch(1.0, known_events(), None))
+    )
+    assert decoded.events[1].lookahead_token_ids == [[7]]
+    assert decoded.events[2].locality == "LOCAL"

@@ -311,19 +311,20 @@ class BlockPool:
                 if id(block) not in skipped_ids:
                     new_hashes.append(block_hash)
                     new_indices.append(index)
-        if new_hashes:
-            self.kv_event_queue.append(
-                self._block_stored_event(
-                    request,
-                    block_hashes,
-                    new_hashes,
-                    new_indices,
-                    num_cached_blocks,
-                    num_full_blocks,
-                    block_size,
-                    kv_cache_group_id,
-                )
+        # One event per call even if every new block was null or masked (then with no hashes,
+        # but the call's tokens), as the reference emits it.
+        self.kv_event_queue.append(
+            self._block_stored_event(
+                request,
+                block_hashes,
+                new_hashes,
+                new_indices,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
             )
+        )
 
     def _block_stored_event(
         self,
@@ -343,7 +344,9 @@ class BlockPool:
         end_token = num_full_blocks * block_size
         # With hash lookahead, a block's hash (so its event keys) covers the next tokens too.
         lookahead = self.num_hash_lookahead_tokens
-        extra_keys = None
+        # One entry per stored block (None for a block without keys), None for no blocks: the
+        # reference's (0.33) form.
+        per_block: list[tuple | None]
         if request.has_extra_keys:
             per_block = []
             cursor = 0
@@ -352,8 +355,9 @@ class BlockPool:
                     request, index * block_size, (index + 1) * block_size + lookahead, cursor
                 )
                 per_block.append(to_event_extra_keys(keys))
-            if any(keys is not None for keys in per_block):
-                extra_keys = per_block
+        else:
+            per_block = [None] * len(new_indices)
+        extra_keys = per_block or None
         lookahead_token_ids = None
         if lookahead:
             tokens = request.all_token_ids

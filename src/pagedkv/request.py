@@ -168,7 +168,7 @@ class Request:
         self.mm_hash_cursor = 0
         self._embeds_digests: dict[tuple[int, int], bytes] = {}
         self.block_hashes: list[BlockHash] = []
-        self.block_hasher = block_hasher
+        self.block_hasher: RequestBlockHasher | OwnerExtendsHashes | None = block_hasher
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self, packed))
 

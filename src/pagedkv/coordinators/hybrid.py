@@ -194,9 +194,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if bucket.is_full_attention:
                 num_blocks = cdiv(hit_length, bucket.manager.block_size)
                 for group_id in bucket.group_ids:
-                    hits = group_hits[group_id]
-                    if hits is not None:
-                        del hits[num_blocks:]
+                    trimmed = group_hits[group_id]
+                    if trimmed is not None:
+                        del trimmed[num_blocks:]
         return (
             tuple(hits if hits is not None else [] for hits in group_hits),
             hit_length,

@@ -47,7 +47,9 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         """Always raises `ConfigError`: cross-attention blocks are never cached."""
         raise ConfigError(_NOT_CACHEABLE.format(group=list(kv_cache_group_ids)))
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(
+        self, request: Request, num_tokens: int, replay_boundaries: Sequence[int] = ()
+    ) -> None:
         """Always raises `ConfigError`: cross-attention blocks are never cached."""
         raise ConfigError(_NOT_CACHEABLE.format(group=self.kv_cache_group_id))
 

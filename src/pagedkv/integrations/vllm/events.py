@@ -12,8 +12,8 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
-def _external(block_hash: bytes | int | None) -> bytes | int | None:
-    if block_hash is None or isinstance(block_hash, int):
+def _external(block_hash: bytes | int) -> bytes | int:
+    if isinstance(block_hash, int):
         return block_hash
     return maybe_convert_block_hash(block_hash)  # type: ignore[arg-type]
 
@@ -23,7 +23,9 @@ def to_vllm_event(event: KVCacheEvent) -> vllm_events.KVCacheEvent:
     if type(event) is BlockStored:
         return vllm_events.BlockStored(
             block_hashes=[_external(h) for h in event.block_hashes],
-            parent_block_hash=_external(event.parent_block_hash),
+            parent_block_hash=(
+                None if event.parent_block_hash is None else _external(event.parent_block_hash)
+            ),
             token_ids=list(event.token_ids),
             block_size=event.block_size,
             lora_id=event.lora_id,

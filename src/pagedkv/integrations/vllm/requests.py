@@ -7,11 +7,12 @@ the vLLM request itself, so it lives and dies with it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from vllm.v1.request import Request as VllmRequest
 from vllm.v1.request import RequestStatus as VllmStatus
 
+from pagedkv.block import BlockHash
 from pagedkv.request import MultiModalFeature, Request, RequestStatus
 
 VIEW_ATTRIBUTE = "_pagedkv_request"
@@ -64,10 +65,11 @@ def make_view(request: VllmRequest, hash_block_size: int) -> Request:
     view = Request.external(
         request.request_id,
         tokens,
-        request.block_hashes,
+        cast("list[BlockHash]", request.block_hashes),  # both are digest bytes
         hash_block_size,
         num_prompt_tokens=request.num_prompt_tokens,
-        lora_request=request.lora_request,
+        # vLLM's LoRARequest has the `name`, `path` and `adapter_id` pagedkv reads.
+        lora_request=cast(Any, request.lora_request),
         cache_salt=request.cache_salt,
         mm_features=_mm_features(request),
         prompt_embeds=_prompt_embeds(request),
@@ -79,10 +81,8 @@ def make_view(request: VllmRequest, hash_block_size: int) -> Request:
 
 
 def sync_view(request: VllmRequest, hash_block_size: int) -> Request:
-    """The request's view with its counters copied from the vLLM request.
-
+    """The request's view with its counters copied from the vLLM request."""
     # Hot path: called on every manager call that takes a request; a few attribute copies.
-    """
     view = request.__dict__.get(VIEW_ATTRIBUTE)
     if view is None or view.block_hashes is not request.block_hashes:
         view = make_view(request, hash_block_size)

@@ -31,7 +31,7 @@ def manager_class_in_vllm_scheduler(manager_class: type) -> Iterator[None]:
     """
     with _SWAP_LOCK:
         original = vllm_scheduler.KVCacheManager
-        vllm_scheduler.KVCacheManager = manager_class  # type: ignore[misc]
+        vllm_scheduler.KVCacheManager = manager_class  # type: ignore[assignment,misc]
         try:
             yield
         finally:
