@@ -217,6 +217,8 @@ class Scheduler:
             request = waiting.peek()
             hit = manager.get_computed_blocks(request)
             num_hit = hit.num_computed_tokens
+            # As vLLM's scheduler: sparse retention keeps the cached state at this junction.
+            request.shared_prefix_boundary = hit.shared_prefix_boundary
             num_new = request.num_tokens - num_hit
             if threshold and num_new > threshold:
                 num_new = threshold
