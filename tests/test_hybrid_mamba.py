@@ -135,3 +135,33 @@ def test_sizing_counts_the_reference_state_blocks() -> None:
     assert mamba(4, "none", 3).max_memory_usage_bytes(1 << 20) == 4 * page
     assert mamba(4, "align").max_memory_usage_bytes(1 << 20) == 2 * page
     assert mamba(4, "align", 3).max_memory_usage_bytes(1 << 20) == 5 * page
+
+
+@pytest.mark.parametrize(
+    ("retention", "hits"),
+    [
+        # Dense: every boundary state is cached.
+        (None, {30: 28, 24: 20, 17: 16}),
+        # 0: only the replay boundary (a resend hits its last aligned block).
+        (0, {30: 28, 24: 0, 17: 0}),
+        # One state per 8 tokens, plus the replay boundary.
+        (8, {30: 28, 24: 16, 17: 16}),
+    ],
+)
+def test_retention_interval_keeps_only_reachable_states(retention, hits) -> None:
+    from pagedkv import KVCacheConfig, KVCacheGroupSpec, KVCacheManager
+
+    groups = [KVCacheGroupSpec(("full",), full(4)), KVCacheGroupSpec(("mamba",), mamba(4))]
+    manager = KVCacheManager(
+        KVCacheConfig(60, groups, prefix_cache_retention_interval=retention), max_model_len=8192
+    )
+    request = make_request("a", range(30), 4)
+    while request.num_computed_tokens < 30:  # one block a step: every boundary has a state
+        num_new = min(4, 30 - request.num_computed_tokens)
+        assert manager.allocate_slots(request, num_new) is not None
+        request.num_computed_tokens += num_new
+        manager.new_step_starts()
+    manager.free(request)
+    for num_tokens, num_hit_tokens in hits.items():
+        assert hit(manager, make_request("b", range(num_tokens), 4))[1] == num_hit_tokens
+    manager.check_invariants()

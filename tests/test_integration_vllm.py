@@ -275,3 +275,19 @@ def test_scheduler_class_picks_the_async_variant_and_restores_vllms_module():
     with manager_class_in_vllm_scheduler(PagedKVCacheManager):
         assert vllm_scheduler.KVCacheManager is PagedKVCacheManager
     assert vllm_scheduler.KVCacheManager is original
+
+
+def test_events_travel_through_vllms_encoder_and_back_into_pagedkv():
+    msgspec = pytest.importorskip("msgspec")
+    from pagedkv.wire import EventDecoder
+
+    _, pagedkv = both(20, full(4), log_stats=False)
+    a = request("a", range(18), 4)
+    pagedkv.allocate_slots(a, 18)
+    events = pagedkv.take_events()
+    payload = msgspec.msgpack.encode(vllm_events.KVEventBatch(ts=1.5, events=events))
+    decoded = EventDecoder().decode(payload)
+    assert decoded.ts == 1.5 and len(decoded.events) == 1
+    stored = decoded.events[0]
+    assert stored.block_hashes == events[0].block_hashes
+    assert stored.token_ids == list(range(16)) and stored.extra_keys == [None] * 4
