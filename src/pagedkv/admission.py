@@ -85,6 +85,18 @@ def check_manager_config(
             )
     if max_in_flight_tokens is not None:
         check_count("max_in_flight_tokens", max_in_flight_tokens, 1)
+    _check_spec_decode(kv_cache_config, scheduler_block_size, enable_caching, spec_decode)
+    _check_retention_interval(kv_cache_config, scheduler_block_size)
+    return scheduler_block_size, hash_block_size
+
+
+def _check_spec_decode(
+    kv_cache_config: KVCacheConfig,
+    scheduler_block_size: int,
+    enable_caching: bool,
+    spec_decode: SpecDecodeConfig,
+) -> None:
+    groups = kv_cache_config.kv_cache_groups
     has_eagle_groups = spec_decode.use_eagle or any(g.is_eagle_group for g in groups)
     if (
         enable_caching
@@ -97,8 +109,6 @@ def check_manager_config(
             f"({scheduler_block_size}) >= num_prefill_lookahead "
             f"({spec_decode.num_prefill_lookahead})"
         )
-    _check_retention_interval(kv_cache_config, scheduler_block_size)
-    return scheduler_block_size, hash_block_size
 
 
 def _check_retention_interval(kv_cache_config: KVCacheConfig, scheduler_block_size: int) -> None:

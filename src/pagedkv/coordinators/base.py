@@ -85,25 +85,8 @@ class KVCacheCoordinator:
             num_hash_lookahead_tokens=spec_decode.num_hash_lookahead_tokens,
         )
         in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
-        managers = []
-        for group_id, group in enumerate(groups):
-            spec = group.kv_cache_spec
-            managers.append(
-                manager_class_for(spec)(
-                    spec,
-                    self.block_pool,
-                    group_id,
-                    enable_caching=enable_caching and spec.prefix_cacheable,
-                    max_admission_blocks_per_request=spec.max_admission_blocks(
-                        max_model_len, in_flight
-                    ),
-                    alignment_tokens=alignment_tokens,
-                    retention_interval=kv_cache_config.prefix_cache_retention_interval,
-                    record_new_block_ids=kv_cache_config.needs_kv_cache_zeroing
-                    and isinstance(spec, AttentionSpec),
-                )
-            )
-        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(managers)
+        managers = self._make_managers(max_model_len, in_flight, alignment_tokens)
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = managers
         self._is_cross = tuple(isinstance(g.kv_cache_spec, CrossAttentionSpec) for g in groups)
         eagle_group_ids = {i for i, group in enumerate(groups) if group.is_eagle_group}
         if spec_decode.use_eagle and not eagle_group_ids:
@@ -122,6 +105,28 @@ class KVCacheCoordinator:
         self._wants_boundaries = any(
             type(manager).reachable_block_mask is not SingleTypeKVCacheManager.reachable_block_mask
             for manager in managers
+        )
+
+    def _make_managers(
+        self, max_model_len: int, max_in_flight_tokens: int, alignment_tokens: int | None
+    ) -> tuple[SingleTypeKVCacheManager, ...]:
+        """One manager per group, of the class its spec names, all on this pool."""
+        config = self.kv_cache_config
+        return tuple(
+            manager_class_for(group.kv_cache_spec)(
+                group.kv_cache_spec,
+                self.block_pool,
+                group_id,
+                enable_caching=self.enable_caching and group.kv_cache_spec.prefix_cacheable,
+                max_admission_blocks_per_request=group.kv_cache_spec.max_admission_blocks(
+                    max_model_len, max_in_flight_tokens
+                ),
+                alignment_tokens=alignment_tokens,
+                retention_interval=config.prefix_cache_retention_interval,
+                record_new_block_ids=config.needs_kv_cache_zeroing
+                and isinstance(group.kv_cache_spec, AttentionSpec),
+            )
+            for group_id, group in enumerate(config.kv_cache_groups)
         )
 
     # ------------------------------------------------------------------ counting

@@ -144,7 +144,6 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         num_groups = len(self.single_type_managers)
         if not buckets or max_cache_hit_length <= 0:
             return tuple([] for _ in range(num_groups)), 0, 0
-        block_pool = self.block_pool
         max_hashed_tokens = len(block_hashes) * self.hash_block_size
         group_hits: list[list[KVCacheBlock] | None] = [None] * num_groups
         group_hit_lengths = [0] * num_groups
@@ -158,19 +157,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 if bucket.is_full_attention and group_hits[first] is not None:
                     candidate = min(candidate, group_hit_lengths[first])
                     continue
-                manager = bucket.manager
                 drop_eagle_block = bucket.use_eagle and index not in eagle_verified
-                max_length = candidate
-                if drop_eagle_block and not isinstance(manager, MambaManager):
-                    max_length = min(candidate + manager.block_size, max_hashed_tokens)
-                blocks, new_length = manager.find_longest_cache_hit(
-                    block_hashes,
-                    max_length,
-                    bucket.group_ids,
-                    block_pool,
-                    manager.kv_cache_spec,
-                    manager.alignment_tokens,
-                    drop_eagle_block,
+                blocks, new_length = self._bucket_hit(
+                    bucket, block_hashes, candidate, drop_eagle_block, max_hashed_tokens
                 )
                 if drop_eagle_block:
                     eagle_verified.add(index)
@@ -203,6 +192,29 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             longest_hit_length - hit_length,
         )
 
+    def _bucket_hit(
+        self,
+        bucket: SpecBucket,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        drop_eagle_block: bool,
+        max_hashed_tokens: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """One bucket's longest hit within `max_length`; an EAGLE drop looks one block further
+        first (not Mamba: draft models have no Mamba layers, so it never drops)."""
+        manager = bucket.manager
+        if drop_eagle_block and not isinstance(manager, MambaManager):
+            max_length = min(max_length + manager.block_size, max_hashed_tokens)
+        return manager.find_longest_cache_hit(
+            block_hashes,
+            max_length,
+            bucket.group_ids,
+            self.block_pool,
+            manager.kv_cache_spec,
+            manager.alignment_tokens,
+            drop_eagle_block,
+        )
+
     def find_longest_cache_hit_per_group(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], tuple[int, ...]]:
@@ -215,18 +227,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         group_hit_lengths = [0] * num_groups
         max_hashed_tokens = len(block_hashes) * self.hash_block_size
         for bucket in self.spec_buckets:
-            manager = bucket.manager
-            max_length = max_cache_hit_length
-            if bucket.use_eagle and not isinstance(manager, MambaManager):
-                max_length = min(max_cache_hit_length + manager.block_size, max_hashed_tokens)
-            blocks, hit_length = manager.find_longest_cache_hit(
-                block_hashes,
-                max_length,
-                bucket.group_ids,
-                self.block_pool,
-                manager.kv_cache_spec,
-                manager.alignment_tokens,
-                bucket.use_eagle,
+            blocks, hit_length = self._bucket_hit(
+                bucket, block_hashes, max_cache_hit_length, bucket.use_eagle, max_hashed_tokens
             )
             for group_id, hits in zip(bucket.group_ids, blocks, strict=True):
                 group_hits[group_id] = hits

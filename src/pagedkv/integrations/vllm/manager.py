@@ -12,9 +12,6 @@ from collections.abc import Sequence
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import (
-    AttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
     KVCacheConfig,
     MambaSpec,
     get_kv_cache_spec_kind,
@@ -32,7 +29,17 @@ from pagedkv.integrations.vllm.requests import existing_view, sync_view
 from pagedkv.integrations.vllm.views import BlockPoolView, CoordinatorView
 from pagedkv.kv_cache_blocks import ComputedBlocks, KVCacheBlocks
 from pagedkv.kv_cache_manager import KVCacheManager
-from pagedkv.specs import cdiv
+
+
+def _event_metadata(kv_cache_config: KVCacheConfig) -> tuple[tuple[str, int | None], ...]:
+    """Per group, the spec kind and window vLLM annotates its `BlockStored` events with."""
+    return tuple(
+        (
+            get_kv_cache_spec_kind(group.kv_cache_spec).value,
+            get_kv_cache_spec_sliding_window(group.kv_cache_spec),
+        )
+        for group in kv_cache_config.kv_cache_groups
+    )
 
 
 class PagedKVCacheManager:
@@ -99,22 +106,8 @@ class PagedKVCacheManager:
         self.block_pool = BlockPoolView(self.core.block_pool)
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.watermark_blocks = self.core.watermark_blocks
-        self.kv_cache_event_metadata = tuple(
-            (
-                get_kv_cache_spec_kind(group.kv_cache_spec).value,
-                get_kv_cache_spec_sliding_window(group.kv_cache_spec),
-            )
-            for group in groups
-        )
+        self.kv_cache_event_metadata = _event_metadata(kv_cache_config)
         self.empty_kv_cache_blocks = self.core.empty_kv_cache_blocks
-        # Per group: block size to clip to the computed tokens, or None to keep every block.
-        self._clip_block_sizes = tuple(
-            group.kv_cache_spec.block_size
-            if isinstance(group.kv_cache_spec, AttentionSpec)
-            and not isinstance(group.kv_cache_spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec))
-            else None
-            for group in groups
-        )
         self._is_mamba = tuple(isinstance(group.kv_cache_spec, MambaSpec) for group in groups)
 
     # ------------------------------------------------------------------ reading
@@ -185,11 +178,7 @@ class PagedKVCacheManager:
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]:
         """Block ids per group; attention groups clipped to the blocks of the computed tokens."""
-        block_ids = self.core.get_block_ids(request_id)
-        return tuple(
-            ids if block_size is None else ids[: cdiv(num_computed_tokens, block_size)]
-            for ids, block_size in zip(block_ids, self._clip_block_sizes, strict=True)
-        )
+        return self.core.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
 
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens of the request's prefix that are in the prefix cache (min over groups)."""
