@@ -291,3 +291,33 @@ def test_events_travel_through_vllms_encoder_and_back_into_pagedkv():
     stored = decoded.events[0]
     assert stored.block_hashes == events[0].block_hashes
     assert stored.token_ids == list(range(16)) and stored.extra_keys == [None] * 4
+
+
+def test_one_view_per_request_shares_its_lists_and_follows_it():
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    from pagedkv import RequestStatus as PagedKVStatus
+    from pagedkv.integrations.vllm.requests import sync_view
+
+    req = request("a", range(20), 4)
+    view = sync_view(req, 4)
+    assert view.all_token_ids is req._all_token_ids and view.block_hashes is req.block_hashes
+    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    req.num_computed_tokens = 8
+    req.append_output_token_ids(5)
+    assert sync_view(req, 4) is view
+    assert (view.status, view.num_computed_tokens, view.num_tokens) == (
+        PagedKVStatus.WAITING,
+        8,
+        21,
+    )
+    # A streaming session appends a multimodal item: the same view, its keys updated.
+    req.mm_features.append(
+        MultiModalFeatureSpec(
+            data=None, modality="image", identifier="img", mm_position=PlaceholderRange(4, 8)
+        )
+    )
+    assert sync_view(req, 4) is view
+    assert [(f.identifier, f.offset, f.length) for f in view.mm_features] == [("img", 4, 8)]
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert sync_view(req, 4).status.name.startswith("FINISHED")

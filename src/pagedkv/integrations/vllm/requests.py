@@ -84,8 +84,13 @@ def sync_view(request: VllmRequest, hash_block_size: int) -> Request:
     """The request's view with its counters copied from the vLLM request."""
     # Hot path: called on every manager call that takes a request; a few attribute copies.
     view = request.__dict__.get(VIEW_ATTRIBUTE)
-    if view is None or view.block_hashes is not request.block_hashes:
+    if view is None:
         view = make_view(request, hash_block_size)
+    elif len(view.mm_features) != len(request.mm_features):
+        # A streaming session appended multimodal items. Updated in place: the core knows the
+        # request by this view object.
+        view.mm_features = _mm_features(request)
+        view.has_extra_keys = True
     view.num_tokens = len(view.all_token_ids)
     view.num_prompt_tokens = request.num_prompt_tokens
     view.num_computed_tokens = request.num_computed_tokens
