@@ -1,11 +1,15 @@
-"""Test helper: a private redis-server on a free loopback port, in a temp dir, no persistence.
+"""Test helper: a private redis-server on a free loopback port, in a temp dir, no persistence,
+started, stopped, killed, paused and resumed by pid.
 
-Tests that use it skip (with the reason) when the `redis-server` binary or redis-py is missing.
+Tests that use it skip (with the reason) when the `redis-server` binary or redis-py is missing,
+unless PAGEDKV_REQUIRE_REDIS=1 (CI), where a missing server fails them.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -24,6 +28,7 @@ class RedisServer:
     def __init__(self, workdir: Path) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
+            require_redis()
             pytest.skip("redis-server is not installed (apt-get install redis-server)")
         self.binary = binary
         self.workdir = workdir
@@ -59,7 +64,25 @@ class RedisServer:
         self.stop()
         raise RuntimeError(f"redis-server did not start on port {self.port}")
 
+    def kill(self) -> None:
+        """SIGKILL: the server dies at once, its data with it (no persistence)."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+        self.process = None
+
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open, nothing is answered until `resume`."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+
     def stop(self) -> None:
+        if self.process is not None:
+            self.resume()  # a stopped process cannot act on SIGTERM
         if self.process is not None:
             self.process.terminate()
             try:
@@ -70,9 +93,26 @@ class RedisServer:
             self.process = None
 
 
+def require_redis() -> None:
+    """Fail (not skip) the calling test when PAGEDKV_REQUIRE_REDIS=1."""
+    if os.environ.get("PAGEDKV_REQUIRE_REDIS") == "1":
+        pytest.fail("PAGEDKV_REQUIRE_REDIS=1 but redis-server or redis-py is missing")
+
+
+def import_redis():
+    try:
+        import redis
+    except ImportError:
+        require_redis()
+        pytest.skip(
+            "redis-py is not installed (pip install 'pagedkv[router]')", allow_module_level=True
+        )
+    return redis
+
+
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
-    pytest.importorskip("redis")
+    import_redis()
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()
     yield server

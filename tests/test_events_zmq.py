@@ -292,3 +292,23 @@ def test_data_parallel_rank_offsets_inproc_and_stamps_batches():
         finally:
             subscriber.close()
     assert received[0].batch.data_parallel_rank == 2
+
+
+def test_fill_to_fetches_batches_sent_before_the_subscription_arrived():
+    # ZeroMQ's slow joiner: these go out before any subscriber exists, and no later batch
+    # reveals the gap; the publisher's count does (`fill_to`).
+    with ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as publisher:
+        for i in range(3):
+            publisher.publish(removed(i))
+        wait_sent(publisher, 3)
+        subscriber = ZmqEventSubscriber(
+            loopback(publisher.endpoint), loopback(publisher.replay_endpoint), replay_timeout_s=2
+        )
+        try:
+            assert subscriber.poll(0.2) == []
+            filled = subscriber.fill_to(publisher.next_seq)
+            assert [item.seq for item in filled] == [0, 1, 2]
+            assert all(item.replayed for item in filled) and subscriber.last_seq == 2
+            assert subscriber.fill_to(publisher.next_seq) == [] and subscriber.num_lost == 0
+        finally:
+            subscriber.close()

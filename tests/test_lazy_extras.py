@@ -15,6 +15,7 @@ import pagedkv
 
 PACKAGE = Path(pagedkv.__file__).parent
 EXTRAS = {
+    "aiohttp",
     "cbor2",
     "matplotlib",
     "msgspec",
@@ -73,6 +74,7 @@ def test_extras_are_imported_lazily_everywhere_but_the_engine():
         ("generate", ("pagedkv.engine", "torch", "transformers")),
         ("events", ("pagedkv.wire", "pagedkv.wire.transport", "msgspec", "zmq")),
         ("size", ("pagedkv.sizing", "pagedkv.sizing.model_config")),
+        ("router", ("pagedkv.router.service", "pagedkv.router.feeds", "aiohttp", "zmq")),
     ],
 )
 def test_cli_commands_import_only_the_standard_library(command_module, prefixes):

@@ -106,3 +106,26 @@ def test_bad_instance_ids_are_rejected(index):
         with pytest.raises(InvalidArgumentError, match="instance id"):
             index.apply_events(bad, [stored([1])])
     assert index.match_lengths([1], ["a"]) == {"a": 0}
+
+
+def test_copies_survive_a_second_table_and_a_clear(index):
+    # One table with a duplicate, then a second (medium, group): the in-memory index changes
+    # layout there; the contents must not change with it.
+    index.apply_events("a", [stored([1, 2]), stored([2]), BlockRemoved([9], "GPU", 0)])
+    assert index.instance_contents("a") == {("GPU", 0, 1): 1, ("GPU", 0, 2): 2}
+    index.apply_events("a", [BlockRemoved([2], "CPU", 0), stored([2, 3], medium="CPU")])
+    index.apply_events("a", [BlockRemoved([2], "GPU", 0)])
+    assert index.instance_contents("a") == {
+        ("GPU", 0, 1): 1,
+        ("GPU", 0, 2): 1,
+        ("CPU", 0, 2): 1,
+        ("CPU", 0, 3): 1,
+    }
+    assert index.match_lengths([1, 2, 3], ["a"], media={"CPU"}) == {"a": 0}
+    assert index.num_unknown_removals == 2
+    index.apply_events("a", [AllBlocksCleared(), stored([5], group=1), stored([5], group=1)])
+    assert index.instance_contents("a") == {("GPU", 1, 5): 2}
+    index.apply_events("a", [BlockRemoved([5], "GPU", 1), BlockRemoved([5], "GPU", 1)])
+    assert index.instance_contents("a") == {} and index.match_lengths([5], ["a"]) == {"a": 0}
+    if isinstance(index, InMemoryPrefixIndex):
+        index.check_invariants()

@@ -8,13 +8,13 @@ import random
 
 import pytest
 from kv_workload import RandomDriver, make_manager, pool_contents
-from redis_server import RedisServer, redis_server  # noqa: F401 - fixture
+from redis_server import RedisServer, import_redis, redis_server  # noqa: F401 - fixture
 
-from pagedkv import Request, make_request_block_hasher
-from pagedkv.router import Router, request_block_hashes
+from pagedkv import BlockRemoved, BlockStored, Request, make_request_block_hasher
+from pagedkv.router import IndexLostError, Router, request_block_hashes
 from pagedkv.wire.snapshot import CacheMirror
 
-redis = pytest.importorskip("redis")
+redis = import_redis()  # skips, or fails under PAGEDKV_REQUIRE_REDIS=1
 
 from pagedkv.router.redis_index import RedisPrefixIndex  # noqa: E402
 
@@ -106,3 +106,36 @@ def test_outage_falls_back_with_a_warning_and_recovers(tmp_path, caplog):
         assert router.route(request_block_hashes(probe), loads).instance_id == "i1"
     finally:
         server.stop()
+
+
+def test_a_claim_fences_earlier_writers_and_a_flush_is_noticed(redis_server):  # noqa: F811
+    first = RedisPrefixIndex(redis_server.url, namespace="fence")
+    second = RedisPrefixIndex(redis_server.url, namespace="fence")
+    try:
+        first.claim()
+        first.apply_events("a", [BlockStored([1, 2], None, [], 4, None, "GPU", group_idx=0)])
+        second.claim()  # a new writer (or this router after an outage) takes over
+        with pytest.raises(IndexLostError, match="epoch is no longer"):
+            first.apply_events("a", [BlockStored([3], None, [], 4, None, "GPU", group_idx=0)])
+        with pytest.raises(IndexLostError):
+            first.match_lengths([1, 2], ["a"])
+        assert second.match_lengths([1, 2, 3], ["a"]) == {"a": 2}  # the late write never landed
+        second.client.flushdb()
+        with pytest.raises(IndexLostError):
+            second.match_lengths([1, 2], ["a"])  # never an answer from an emptied index
+    finally:
+        second.drop_namespace()
+
+
+def test_idempotent_stores_ignore_resent_blocks(redis_server):  # noqa: F811
+    index = RedisPrefixIndex(redis_server.url, namespace="idem", idempotent_stores={"v"})
+    try:
+        stored = BlockStored([5, 6], None, [], 4, None, "GPU", group_idx=0)
+        index.apply_events("v", [stored, stored])  # vLLM "full" mode re-sends a prefix hit
+        index.apply_events("p", [stored, stored])  # pagedkv: a second copy
+        index.apply_events("v", [BlockRemoved([5, 6], "GPU", 0)])
+        index.apply_events("p", [BlockRemoved([5, 6], "GPU", 0)])
+        assert index.instance_contents("v") == {}
+        assert index.instance_contents("p") == {("GPU", 0, 5): 1, ("GPU", 0, 6): 1}
+    finally:
+        index.drop_namespace()

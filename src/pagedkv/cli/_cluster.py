@@ -38,6 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "are candidates (default 4; none: pure prefix scoring)",
     )
     group.add_argument(
+        "--index",
+        default="memory",
+        metavar="memory|redis://HOST:PORT[/DB]",
+        help="where the router keeps its prefix index (default memory; redis needs the "
+        "[router] extra and a reachable server)",
+    )
+    group.add_argument(
+        "--router-url",
+        metavar="http://HOST:PORT",
+        help="route through this running `pagedkv router serve` (its instances' endpoints "
+        "are where the simulated instances publish; docs/router.md)",
+    )
+    group.add_argument(
         "--event-transport",
         choices=("inproc", "tcp"),
         default="inproc",
@@ -69,8 +82,14 @@ def _gap(text: str) -> float | None:
 
 
 def wanted(args: argparse.Namespace) -> bool:
-    """Whether the multi-instance path runs (serve mode with --instances or --metrics-port)."""
-    return args.instances is not None or args.metrics_port is not None
+    """Whether the multi-instance path runs (serve mode with --instances, --metrics-port or
+    --index)."""
+    return (
+        args.instances is not None
+        or args.metrics_port is not None
+        or args.index != "memory"
+        or args.router_url is not None
+    )
 
 
 def run(
@@ -86,7 +105,7 @@ def run(
     from pagedkv.sim.serve import ServeResult
 
     if args.mode != "serve":
-        raise InvalidArgumentError("--instances and --metrics-port need --mode serve")
+        raise InvalidArgumentError("--instances, --metrics-port and --index need --mode serve")
     if args.plot:
         raise InvalidArgumentError("--plot is not available with --instances/--metrics-port")
     num_instances = 1 if args.instances is None else args.instances
@@ -94,12 +113,17 @@ def run(
         raise InvalidArgumentError(f"--instances must be >= 1, got {num_instances}")
     router = args.router or ("all" if num_instances > 1 else "round-robin")
     policies = ROUTERS if router == "all" else (router,)
+    index_url = None if args.index == "memory" else args.index
     config = ClusterConfig(
         serve_config,
         num_instances,
         args.event_transport,
         max_load_gap=args.router_max_load_gap,
+        index_url=index_url,
+        router_url=args.router_url,
     )
+    if index_url is not None:
+        _check_redis(index_url)
     metrics = server = None
     if args.metrics_port is not None:
         from pagedkv.metrics import KVCacheMetrics, start_http_server
@@ -124,6 +148,8 @@ def run(
             "instances": num_instances,
             "event_transport": args.event_transport,
             "router_max_load_gap": args.router_max_load_gap,
+            "index": args.index,
+            "router_url": args.router_url,
         },
         "results": summaries,
     }
@@ -139,6 +165,19 @@ def run(
         if server is not None:
             server.shutdown()
     return 0
+
+
+def _check_redis(url: str) -> None:
+    """Fail fast: the server must answer before the run starts (an outage during the run is
+    survived and reported)."""
+    from pagedkv.errors import InvalidArgumentError
+    from pagedkv.router import IndexUnavailableError
+    from pagedkv.router.redis_index import RedisPrefixIndex
+
+    try:
+        RedisPrefixIndex(url, namespace="pagedkv-sim-check").ping()
+    except (IndexUnavailableError, ValueError) as exc:
+        raise InvalidArgumentError(f"--index {url}: {exc}") from exc
 
 
 class _Offset:
@@ -178,12 +217,25 @@ def render_text(report: dict[str, Any], wall_s: float) -> str:
             f"{result['throughput']['requests_per_s']:>8.2f}  "
             f"{per_instance:<24}{balance['busy_time_max_over_mean']:>14.2f}"
         )
-    consistent = all(r["routing"]["index_matches_pools"] for r in report["results"])
+    matches = [r["routing"]["index_matches_pools"] for r in report["results"]]
+    if None in matches:
+        consistent = "unknown (the index is unavailable)"
+    else:
+        consistent = "yes" if all(matches) else "NO"
     lines += [
         "",
         "hit rate: prefix-cache token hit rate over all instances; busy: simulated step time",
-        f"router index equals every instance's cache at the end: {'yes' if consistent else 'NO'}",
-        f"simulator speed: {wall_s:.1f} s wall",
-        "",
+        f"router index equals every instance's cache at the end: {consistent}",
     ]
+    if config.get("index", "memory") != "memory":
+        lines.append(f"router index in {config['index']}")
+    for result in report["results"]:
+        routing = result["routing"]
+        if routing.get("index_outages") or routing["fallback_decisions"]:
+            lines.append(
+                f"{result['router']}: index unavailable {routing['index_outages']} time(s), "
+                f"{routing['index_recoveries']} recovered; {routing['fallback_decisions']} "
+                f"routing decisions fell back to least-loaded"
+            )
+    lines += [f"simulator speed: {wall_s:.1f} s wall", ""]
     return "\n".join(lines)

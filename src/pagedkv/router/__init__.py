@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.router.index import IndexUnavailableError, InMemoryPrefixIndex, PrefixIndex
+from pagedkv.router.index import (
+    IndexLostError,
+    IndexUnavailableError,
+    InMemoryPrefixIndex,
+    PrefixIndex,
+)
 from pagedkv.router.policies import (
     POLICY_NAMES,
     LeastLoadedPolicy,
@@ -16,11 +21,19 @@ from pagedkv.router.policies import (
     RoutingPolicy,
     make_policy,
 )
-from pagedkv.router.router import Router, RoutingDecision, request_block_hashes
+from pagedkv.router.router import (
+    InstanceState,
+    Router,
+    RoutingDecision,
+    external_events,
+    request_block_hashes,
+)
 
 __all__ = [
     "POLICY_NAMES",
+    "IndexLostError",
     "IndexUnavailableError",
+    "InstanceState",
     "InMemoryPrefixIndex",
     "LeastLoadedPolicy",
     "PrefixAwarePolicy",
@@ -30,6 +43,7 @@ __all__ = [
     "Router",
     "RoutingDecision",
     "RoutingPolicy",
+    "external_events",
     "make_policy",
     "request_block_hashes",
 ]

@@ -1,12 +1,18 @@
-"""Router layer (extra `[router]`): the prefix index in Redis, shared by several routers.
+"""Router layer (extra `[router]`): the prefix index in Redis, written by one router, readable
+by any number.
 
-Layout under a namespace `ns` (one Redis database, not a cluster: the clear script touches
-keys it derives):
+Layout under a namespace `ns` (one Redis database, not a cluster: the scripts touch keys they
+derive):
 - `ns:h:<hash>`: a Redis hash, field `<instance>|<medium>|<group>` -> copies cached;
-- `ns:i:<instance>`: a set of `<hash>|<medium>|<group>`, what the instance holds.
+- `ns:i:<instance>`: a set of `<hash>|<medium>|<group>`, what the instance holds;
+- `ns:epoch`: the fencing token of the current writer.
 `<hash>` is the decimal int (64-bit hashes) or `x` + hex (digests); a None medium or group is
-written as the empty string. Updates go in one pipeline per `apply_events` call; each copy's
-increment or decrement is one small Lua script, so counts and sets stay consistent.
+written as the empty string.
+
+Every write and every score is one Lua script that first checks `ns:epoch` against the token
+this index holds, so a write sent before an outage (delivered late, after a stall) or by an
+earlier writer cannot land once `claim()` moved the epoch, and a database that restarted empty
+or was flushed is noticed (`IndexLostError`) instead of answering from nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +22,13 @@ from typing import Any
 
 from pagedkv.errors import InvalidArgumentError, MissingDependencyError
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from pagedkv.router.index import CacheKey, IndexUnavailableError, check_instance_id
+from pagedkv.router.index import (
+    CacheKey,
+    IndexLostError,
+    IndexUnavailableError,
+    check_instance_id,
+    idempotent_set,
+)
 
 try:
     import redis
@@ -27,32 +39,82 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "The Redis index needs redis-py: pip install 'pagedkv[router]'"
     ) from exc
 
-_STORE = """
-redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
-redis.call('SADD', KEYS[2], ARGV[2])
-return 1
-"""
+_FENCED = "PAGEDKV_FENCED"
 
-_REMOVE = """
-local count = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
-if count <= 0 then
-  redis.call('HDEL', KEYS[1], ARGV[1])
-  redis.call('SREM', KEYS[2], ARGV[2])
+# KEYS: epoch, instance set. ARGV: epoch token, namespace, instance, idempotent ("1"/"0"), then
+# ops: "C" (clear the instance) or "S"/"R" (store/remove), where, n, then n hash tokens.
+# Returns the number of removals of copies the index did not hold.
+_APPLY = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('PAGEDKV_FENCED') end
+local ns, inst, idempotent = ARGV[2], ARGV[3], ARGV[4] == '1'
+local unknown = 0
+local i = 5
+while i <= #ARGV do
+  local op = ARGV[i]
+  if op == 'C' then
+    for _, member in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+      local token, rest = string.match(member, '^([^|]*)|(.*)$')
+      redis.call('HDEL', ns .. ':h:' .. token, inst .. '|' .. rest)
+    end
+    redis.call('DEL', KEYS[2])
+    i = i + 1
+  else
+    local where, n = ARGV[i + 1], tonumber(ARGV[i + 2])
+    local field = inst .. '|' .. where
+    for j = i + 3, i + 2 + n do
+      local token = ARGV[j]
+      local key = ns .. ':h:' .. token
+      if op == 'S' then
+        local added
+        if idempotent then
+          added = redis.call('HSETNX', key, field, 1) == 1
+        else
+          added = redis.call('HINCRBY', key, field, 1) == 1
+        end
+        if added then redis.call('SADD', KEYS[2], token .. '|' .. where) end
+      else
+        local count = redis.call('HINCRBY', key, field, -1)
+        if count <= 0 then
+          redis.call('HDEL', key, field)
+          redis.call('SREM', KEYS[2], token .. '|' .. where)
+          if count < 0 then unknown = unknown + 1 end
+        end
+      end
+    end
+    i = i + 3 + n
+  end
 end
-return count
+return unknown
 """
 
-_CLEAR = """
-local members = redis.call('SMEMBERS', KEYS[1])
-for _, member in ipairs(members) do
-  local token, rest = string.match(member, '^([^|]*)|(.*)$')
-  redis.call('HDEL', ARGV[1] .. ':h:' .. token, ARGV[2] .. '|' .. rest)
+# KEYS: epoch, then one hash key per block. ARGV: epoch token, number of instances, the
+# instance ids, then "1" and the accepted media ("" for None) to filter, or nothing.
+# Returns each instance's count of leading blocks it caches.
+_MATCH = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('PAGEDKV_FENCED') end
+local n = tonumber(ARGV[2])
+local alive, lengths, num_alive = {}, {}, n
+for j = 1, n do alive[ARGV[2 + j]] = j; lengths[j] = 0 end
+local media = nil
+if ARGV[3 + n] == '1' then
+  media = {}
+  for j = 4 + n, #ARGV do media[ARGV[j]] = true end
 end
-redis.call('DEL', KEYS[1])
-return #members
+for k = 2, #KEYS do
+  local here = {}
+  for _, field in ipairs(redis.call('HKEYS', KEYS[k])) do
+    local inst, medium = string.match(field, '^([^|]*)|([^|]*)|')
+    if media == nil or media[medium] then here[inst] = true end
+  end
+  for id, j in pairs(alive) do
+    if here[id] then lengths[j] = k - 1 else alive[id] = nil; num_alive = num_alive - 1 end
+  end
+  if num_alive == 0 then break end
+end
+return lengths
 """
 
-_LOOKUP_CHUNK = 64
+_MAX_TOKENS_PER_SCRIPT = 4096
 
 
 def _hash_token(block_hash: Hashable) -> str:
@@ -74,11 +136,18 @@ def _where(medium: str | None, group_idx: int | None) -> str:
 
 
 class RedisPrefixIndex:
-    """`PrefixIndex` stored in Redis. Every Redis failure surfaces as `IndexUnavailableError`.
+    """`PrefixIndex` stored in Redis. Every Redis failure surfaces as `IndexUnavailableError`
+    (`IndexLostError` when the epoch moved: the database restarted empty, was flushed, or
+    another writer claimed it).
+
+    One writer per namespace: `claim()` moves the epoch, which fences every earlier writer
+    (their writes fail with `IndexLostError`). The first write claims the namespace if no
+    writer ever did; the `Router` claims it on start and after every outage.
 
     Args:
         client: a `redis.Redis`; by default one for `url` with short timeouts and no retries,
             so an outage is noticed in `socket_timeout_s` and the router can fall back.
+        idempotent_stores: see `PrefixIndex` (True for all instances, or a set of ids).
     """
 
     def __init__(
@@ -88,6 +157,7 @@ class RedisPrefixIndex:
         namespace: str = "pagedkv",
         client: Any = None,
         socket_timeout_s: float = 0.5,
+        idempotent_stores: bool | Collection[str] = False,
     ) -> None:
         if not namespace or "|" in namespace:
             raise InvalidArgumentError(f"namespace must be non-empty without '|': {namespace!r}")
@@ -99,9 +169,11 @@ class RedisPrefixIndex:
             retry=Retry(NoBackoff(), 0),
             decode_responses=True,
         )
-        self._store = self.client.register_script(_STORE)
-        self._remove = self.client.register_script(_REMOVE)
-        self._clear = self.client.register_script(_CLEAR)
+        self._apply = self.client.register_script(_APPLY)
+        self._match = self.client.register_script(_MATCH)
+        self._idempotent = idempotent_set(idempotent_stores)
+        self._epoch_key = f"{namespace}:epoch"
+        self._epoch: str | None = None
         self.num_unknown_removals = 0
 
     def _hash_key(self, token: str) -> str:
@@ -110,41 +182,64 @@ class RedisPrefixIndex:
     def _instance_key(self, instance_id: str) -> str:
         return f"{self.namespace}:i:{instance_id}"
 
-    def apply_events(self, instance_id: str, events: Iterable[KVCacheEvent]) -> None:
-        check_instance_id(instance_id)
-        instance_key = self._instance_key(instance_id)
-        pipe = self.client.pipeline(transaction=False)
-        removals = 0
-        for event in events:
-            kind = type(event)
-            if kind is BlockStored or kind is BlockRemoved:
-                where = _where(event.medium, event.group_idx)
-                field = f"{instance_id}|{where}"
-                script = self._store if kind is BlockStored else self._remove
-                for block_hash in event.block_hashes:
-                    token = _hash_token(block_hash)
-                    script(
-                        keys=[self._hash_key(token), instance_key],
-                        args=[field, f"{token}|{where}"],
-                        client=pipe,
-                    )
-                if kind is BlockRemoved:
-                    removals += len(event.block_hashes)
-            elif kind is AllBlocksCleared:
-                self._clear(keys=[instance_key], args=[self.namespace, instance_id], client=pipe)
-        if not len(pipe):
-            return
-        results = self._execute(pipe)
-        if removals:
-            # A removal script returns the new count: below 0 means the copy was unknown.
-            self.num_unknown_removals += sum(1 for r in results if isinstance(r, int) and r < 0)
+    def is_idempotent(self, instance_id: str) -> bool:
+        idempotent = self._idempotent
+        return idempotent if isinstance(idempotent, bool) else instance_id in idempotent
 
-    def clear_instance(self, instance_id: str) -> None:
-        check_instance_id(instance_id)
+    def claim(self) -> None:
         try:
-            self._clear(keys=[self._instance_key(instance_id)], args=[self.namespace, instance_id])
+            self._epoch = str(self.client.incr(self._epoch_key))
         except redis.RedisError as exc:
             raise IndexUnavailableError(f"Redis index unavailable: {exc}") from exc
+
+    def _current_epoch(self) -> str:
+        if self._epoch is None:
+            try:
+                epoch = self.client.get(self._epoch_key)
+            except redis.RedisError as exc:
+                raise IndexUnavailableError(f"Redis index unavailable: {exc}") from exc
+            if epoch is None:
+                self.claim()
+            else:
+                self._epoch = str(epoch)
+        assert self._epoch is not None
+        return self._epoch
+
+    def apply_events(self, instance_id: str, events: Iterable[KVCacheEvent]) -> None:
+        check_instance_id(instance_id)
+        scripts: list[list[str]] = []
+        ops: list[str] = []
+        num_tokens = 0
+        stream: Iterable[Any] = events  # narrowed by `type(...) is`, which mypy cannot follow
+        for event in stream:
+            kind = type(event)
+            if kind is BlockStored or kind is BlockRemoved:
+                tokens = [_hash_token(h) for h in event.block_hashes]
+                if not tokens:
+                    continue
+                ops += ("S" if kind is BlockStored else "R", _where(event.medium,
+                        event.group_idx), str(len(tokens)), *tokens)  # fmt: skip
+                num_tokens += len(tokens)
+            elif kind is AllBlocksCleared:
+                ops.append("C")
+            if num_tokens >= _MAX_TOKENS_PER_SCRIPT:
+                scripts.append(ops)
+                ops, num_tokens = [], 0
+        if ops:
+            scripts.append(ops)
+        if not scripts:
+            return
+        epoch = self._current_epoch()
+        head = [epoch, self.namespace, instance_id, "1" if self.is_idempotent(instance_id) else "0"]
+        keys = [self._epoch_key, self._instance_key(instance_id)]
+        pipe = self.client.pipeline(transaction=False)
+        for script_ops in scripts:
+            self._apply(keys=keys, args=head + script_ops, client=pipe)
+        results = self._execute(pipe)
+        self.num_unknown_removals += sum(int(r) for r in results)
+
+    def clear_instance(self, instance_id: str) -> None:
+        self.apply_events(instance_id, [AllBlocksCleared()])
 
     def match_lengths(
         self,
@@ -152,29 +247,18 @@ class RedisPrefixIndex:
         instance_ids: Iterable[str],
         media: Collection[str | None] | None = None,
     ) -> dict[str, int]:
-        lengths = dict.fromkeys(instance_ids, 0)
-        alive = set(lengths)
-        depth = 0
-        # Pipelined in chunks: one round trip per chunk, stopping at the first chunk that
-        # leaves no instance alive.
-        for start in range(0, len(block_hashes), _LOOKUP_CHUNK):
-            chunk = block_hashes[start : start + _LOOKUP_CHUNK]
-            pipe = self.client.pipeline(transaction=False)
-            for block_hash in chunk:
-                pipe.hkeys(self._hash_key(_hash_token(block_hash)))
-            for fields in self._execute(pipe):
-                holders: set[str] = set()
-                for field in fields:
-                    instance_id, medium, _ = field.split("|")
-                    if media is None or (medium or None) in media:
-                        holders.add(instance_id)
-                alive &= holders
-                if not alive:
-                    return lengths
-                depth += 1
-                for instance_id in alive:
-                    lengths[instance_id] = depth
-        return lengths
+        ids = list(instance_ids)
+        if not block_hashes or not ids:
+            return dict.fromkeys(ids, 0)
+        keys = [self._epoch_key, *(self._hash_key(_hash_token(h)) for h in block_hashes)]
+        args = [self._current_epoch(), str(len(ids)), *ids]
+        if media is not None:
+            args += ["1", *(medium or "" for medium in media)]
+        try:
+            lengths = self._match(keys=keys, args=args)
+        except redis.RedisError as exc:
+            raise self._error(exc) from exc
+        return {instance_id: int(n) for instance_id, n in zip(ids, lengths, strict=True)}
 
     def instance_contents(self, instance_id: str) -> dict[CacheKey, int]:
         check_instance_id(instance_id)
@@ -208,10 +292,19 @@ class RedisPrefixIndex:
                 self.client.delete(*keys)
         except redis.RedisError as exc:
             raise IndexUnavailableError(f"Redis index unavailable: {exc}") from exc
+        self._epoch = None
         return len(keys)
+
+    def _error(self, exc: Exception) -> IndexUnavailableError:
+        if isinstance(exc, redis.ResponseError) and _FENCED in str(exc):
+            return IndexLostError(
+                f"Redis index {self.namespace!r} lost: its epoch is no longer {self._epoch} "
+                "(restarted empty, flushed, or claimed by another writer)"
+            )
+        return IndexUnavailableError(f"Redis index unavailable: {exc}")
 
     def _execute(self, pipe: Any) -> list:
         try:
             return pipe.execute()
         except redis.RedisError as exc:
-            raise IndexUnavailableError(f"Redis index unavailable: {exc}") from exc
+            raise self._error(exc) from exc

@@ -1,5 +1,6 @@
 """Router layer: dispatch requests across instances with a policy over an event-fed prefix
-index, falling back to a load-only policy while the index backend is down."""
+index, knowing per instance whether the index is exact, and falling back to a load-only
+policy while the index cannot be read."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
-from pagedkv.block import to_external_hash
+from pagedkv.block import BlockHash, to_external_hash
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pagedkv.hashing import resolve_block_hashes
@@ -20,11 +22,15 @@ from pagedkv.router.index import (
     check_instance_id,
 )
 from pagedkv.router.policies import LeastLoadedPolicy, RoutingPolicy, make_policy
+from pagedkv.wire.codec import EventBatch
 
 logger = logging.getLogger(__name__)
 
-SnapshotSource = Callable[[str], Iterable[KVCacheEvent] | None]
-"""instance id -> events rebuilding its cache contents (a snapshot batch's events), or None."""
+SnapshotSource = Callable[[str], EventBatch | Iterable[KVCacheEvent] | None]
+"""instance id -> what rebuilds its cache contents, or None when nothing can. Best: a snapshot
+`EventBatch` (`ZmqEventSubscriber.sync_batch`), whose `snapshot_next_seq` tells which stream
+batches it already contains; a bare event list (`CacheMirror.snapshot_events()`) is trusted to
+be current and to overlap no batch fed later."""
 
 
 def request_block_hashes(
@@ -32,7 +38,7 @@ def request_block_hashes(
 ) -> list[Hashable]:
     """The request's block hashes as the instances' events carry them: at `block_size` (the
     group's, default the request's hash block size) and in the wire's hash format."""
-    hashes = request.block_hashes
+    hashes: Sequence[BlockHash] = request.block_hashes
     hasher = request.block_hasher
     if block_size is not None and hasher is not None:
         hashes = resolve_block_hashes(hashes, hasher.hash_block_size, block_size)
@@ -40,10 +46,11 @@ def request_block_hashes(
     return [to_external_hash(h, use_int) for h in hashes]
 
 
-def _external_events(events: Iterable[KVCacheEvent]) -> list[KVCacheEvent]:
+def external_events(events: Iterable[KVCacheEvent]) -> list[KVCacheEvent]:
     """In-process events (digest hashes) in the int64 form of the wire; others unchanged."""
     out: list[KVCacheEvent] = []
-    for event in events:
+    stream: Iterable[Any] = events  # narrowed by `type(...) is`, which mypy cannot follow
+    for event in stream:
         kind = type(event)
         if kind is BlockStored or kind is BlockRemoved:
             hashes = event.block_hashes
@@ -64,6 +71,27 @@ class RoutingDecision:
     matched_blocks: int
     """Blocks of the request the chosen instance caches, per the index (0 if not consulted)."""
     fallback: bool
+    match_lengths: Mapping[str, int] | None = None
+    """Every candidate's score, when the index was consulted."""
+
+
+@dataclass(slots=True)
+class InstanceState:
+    """What the router knows about one instance's entries in the index.
+
+    `exact`: they equal the instance's cache as of the last batch applied. When False (events
+    were lost for good, or an outage was recovered without a snapshot) they are a subset of
+    it: the router cleared them, so it may miss hits there but never claims one that is not.
+    """
+
+    exact: bool = True
+    connected: bool = True
+    next_seq: int | None = None
+    """Stream batches numbered below this are contained in the last snapshot applied."""
+    num_batches_applied: int = 0
+    num_batches_skipped: int = 0
+    num_snapshots: int = 0
+    num_losses: int = 0
 
 
 class Router:
@@ -74,11 +102,22 @@ class Router:
     taken straight from a manager and events decoded from the wire index alike. With
     "bytes", hashes are used as given (publish with `hash_format="bytes"`).
 
-    Outage contract: when the index raises `IndexUnavailableError` (Redis down), the router
-    logs one warning, routes with `fallback` (least-loaded by default) and drops incoming
-    events. Every `retry_interval_s` it pings the index; once it answers, every instance is
-    resynchronised from `snapshot_source` (or cleared, without one: an empty index never
-    claims a hit that is not there), and prefix-aware routing resumes.
+    Feeding: `apply_batch(instance, seq, batch)` for batches from a stream (a subscriber's
+    `ReceivedBatch`), `apply_events(instance, events)` for events handed over in process,
+    `mark_lost(instance)` when a subscriber lost batches for good.
+
+    Exactness contract: the index starts empty (the first call claims it and clears every
+    instance). A snapshot batch replaces an instance's entries and makes them exact; stream
+    batches it already contains (seq below its `snapshot_next_seq`) are skipped, so nothing is
+    applied twice. A loss clears the instance's entries (inexact, never a phantom hit) until a
+    snapshot arrives; `maybe_recover` asks `snapshot_source` for one every `retry_interval_s`.
+
+    Outage contract: when the index raises `IndexUnavailableError` (Redis down, stalled,
+    restarted empty), the router logs one warning, routes with `fallback` (least-loaded by
+    default) and drops incoming events. Every `retry_interval_s` it pings the index; once it
+    answers, the router claims it (writes from before the outage cannot land late) and
+    resynchronises every instance from `snapshot_source` (or clears it without one:
+    inexact), and prefix-aware routing resumes.
     """
 
     def __init__(
@@ -100,6 +139,8 @@ class Router:
         ids = [check_instance_id(i) for i in instance_ids]
         if not ids or len(set(ids)) != len(ids):
             raise InvalidArgumentError(f"instance ids must be non-empty and unique, got {ids}")
+        if not retry_interval_s >= 0:
+            raise InvalidArgumentError(f"retry_interval_s must be >= 0, got {retry_interval_s!r}")
         self.instance_ids = ids
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.index: PrefixIndex = index if index is not None else InMemoryPrefixIndex()
@@ -110,53 +151,211 @@ class Router:
         self.retry_interval_s = retry_interval_s
         self.clock = clock
         self._use_int = hash_format == "int64"
+        self.states = {i: InstanceState() for i in ids}
         self.degraded = False
-        self._last_attempt = 0.0
+        """The index cannot be used (unreachable, or lost): routing falls back."""
+        self._claimed = False
+        self._last_attempt: float | None = None
         self.num_outages = 0
         self.num_recoveries = 0
         self.num_fallback_decisions = 0
         self.num_dropped_event_batches = 0
 
+    @property
+    def exact(self) -> bool:
+        """Whether the index equals every instance's cache (as of the batches applied)."""
+        return not self.degraded and all(state.exact for state in self.states.values())
+
+    # ------------------------------------------------------------------ feeding
+
     def apply_events(self, instance_id: str, events: Iterable[KVCacheEvent]) -> bool:
         """Feed one instance's events to the index; False if dropped (index unavailable)."""
-        if instance_id not in self.instance_ids:
-            raise InvalidArgumentError(f"unknown instance {instance_id!r}")
-        if self.degraded:
-            self._maybe_recover()
-        if not self.degraded:
-            if self._use_int:
-                events = _external_events(events)
+        return self._apply(self._state(instance_id), instance_id, events)
+
+    def apply_batch(self, instance_id: str, seq: int, batch: EventBatch) -> bool:
+        """Feed one stream batch numbered `seq` (a snapshot: its `snapshot_next_seq`).
+
+        Returns False if dropped (index unavailable); True if applied, or skipped because the
+        last snapshot applied already contains it.
+        """
+        state = self._state(instance_id)
+        # Usable first: a recovery inside this call installs snapshots, which moves the floor
+        # this batch is checked against.
+        if not self._usable():
+            self.num_dropped_event_batches += 1
+            return False
+        if batch.snapshot_next_seq is not None:
             try:
-                self.index.apply_events(instance_id, events)
-                return True
+                self._install_snapshot(instance_id, batch)
             except IndexUnavailableError as exc:
                 self._enter_outage(exc)
-        self.num_dropped_event_batches += 1
-        return False
+                self.num_dropped_event_batches += 1
+                return False
+            return True
+        if state.next_seq is not None and seq < state.next_seq:
+            state.num_batches_skipped += 1
+            return True
+        return self._apply(state, instance_id, batch.events)
 
-    def route(
-        self, block_hashes: Sequence[Hashable], loads: Mapping[str, float]
-    ) -> RoutingDecision:
-        """Pick an instance for a request with these (external) block hashes."""
-        policy = self.policy
-        ids = self.instance_ids
-        if not policy.uses_index:
-            return RoutingDecision(policy.choose(ids, loads, None), policy.name, 0, False)
-        if self.degraded:
-            self._maybe_recover()
-        if not self.degraded:
-            if self._use_int and block_hashes and type(block_hashes[0]) is bytes:
-                block_hashes = [to_external_hash(h) for h in block_hashes]
+    def mark_lost(self, instance_id: str) -> None:
+        """Batches of this instance were lost for good: clear its entries (inexact) until a
+        snapshot brings them back."""
+        state = self._state(instance_id)
+        state.exact = False
+        state.num_losses += 1
+        if self._usable():
             try:
-                lengths = self.index.match_lengths(block_hashes, ids)
+                self.index.clear_instance(instance_id)
+            except IndexUnavailableError as exc:
+                self._enter_outage(exc)
+
+    def set_connected(self, instance_id: str, connected: bool) -> None:
+        """Record whether the instance's event stream is connected (reported, not routed on)."""
+        self._state(instance_id).connected = connected
+
+    def _state(self, instance_id: str) -> InstanceState:
+        state = self.states.get(instance_id)
+        if state is None:
+            raise InvalidArgumentError(f"unknown instance {instance_id!r}")
+        return state
+
+    def _apply(
+        self, state: InstanceState, instance_id: str, events: Iterable[KVCacheEvent]
+    ) -> bool:
+        if self._usable():
+            if self._use_int:
+                events = external_events(events)
+            try:
+                self.index.apply_events(instance_id, events)
             except IndexUnavailableError as exc:
                 self._enter_outage(exc)
             else:
-                chosen = policy.choose(ids, loads, lengths)
-                return RoutingDecision(chosen, policy.name, lengths[chosen], False)
-        self.num_fallback_decisions += 1
-        chosen = self.fallback.choose(ids, loads, None)
-        return RoutingDecision(chosen, self.fallback.name, 0, True)
+                state.num_batches_applied += 1
+                return True
+        self.num_dropped_event_batches += 1
+        return False
+
+    # ------------------------------------------------------------------ routing
+
+    def route(
+        self,
+        block_hashes: Sequence[Hashable],
+        loads: Mapping[str, float],
+        candidates: Sequence[str] | None = None,
+        policy: RoutingPolicy | None = None,
+    ) -> RoutingDecision:
+        """Pick an instance (among `candidates`, default all; with `policy`, default the
+        router's) for a request with these (external) block hashes."""
+        policy = policy or self.policy
+        ids = self.instance_ids if candidates is None else candidates
+        if not ids:
+            raise InvalidArgumentError("no candidate instance to route to")
+        if not policy.uses_index:
+            return RoutingDecision(policy.choose(ids, loads, None), policy.name, 0, False)
+        try:
+            lengths = self.score(block_hashes, ids)
+        except IndexUnavailableError:
+            self.num_fallback_decisions += 1
+            chosen = self.fallback.choose(ids, loads, None)
+            return RoutingDecision(chosen, self.fallback.name, 0, True)
+        chosen = policy.choose(ids, loads, lengths)
+        return RoutingDecision(chosen, policy.name, lengths[chosen], False, lengths)
+
+    def score(
+        self, block_hashes: Sequence[Hashable], instance_ids: Sequence[str] | None = None
+    ) -> dict[str, int]:
+        """Each instance's longest cached prefix of the request, in blocks, per the index.
+
+        Raises `IndexUnavailableError` while the index cannot be used (after a failed call,
+        until the next successful retry).
+        """
+        ids = self.instance_ids if instance_ids is None else instance_ids
+        if not self._usable():
+            raise IndexUnavailableError("the prefix index is unavailable")
+        if self._use_int and block_hashes and type(block_hashes[0]) is bytes:
+            block_hashes = [to_external_hash(cast(bytes, h)) for h in block_hashes]
+        try:
+            return self.index.match_lengths(block_hashes, ids)
+        except IndexUnavailableError as exc:
+            self._enter_outage(exc)
+            raise
+
+    # ------------------------------------------------------------------ outages and recovery
+
+    def _usable(self) -> bool:
+        if self.degraded or not self._claimed:
+            self.maybe_recover()
+        return not self.degraded and self._claimed
+
+    def maybe_recover(self, force: bool = False, resync_inexact: bool = True) -> None:
+        """If the index is down, or (with `resync_inexact`) an instance is inexact and a
+        snapshot source exists, try to resynchronise, at most once per `retry_interval_s`
+        (`force`: now). A caller that fetches snapshots itself (off a lock) passes
+        `resync_inexact=False` and hands them to `apply_batch`."""
+        inexact = [i for i, state in self.states.items() if not state.exact]
+        if not resync_inexact:
+            inexact = []
+        if self._claimed and not self.degraded and not (inexact and self.snapshot_source):
+            return
+        now = self.clock()
+        last = self._last_attempt
+        if not force and last is not None and now - last < self.retry_interval_s:
+            return
+        self._last_attempt = now
+        try:
+            if not self._claimed or self.degraded:
+                self._resync_all()
+            else:
+                for instance_id in inexact:
+                    self._resync(instance_id)
+        except IndexUnavailableError as exc:
+            self._enter_outage(exc)
+
+    def _resync_all(self) -> None:
+        self.index.ping()
+        self.index.claim()
+        first = not self._claimed
+        for instance_id in self.instance_ids:
+            if first:
+                # Start: nothing applied yet, and the stream will deliver everything.
+                self.index.clear_instance(instance_id)
+            else:
+                self._resync(instance_id)
+        self._claimed = True
+        if self.degraded:
+            self.degraded = False
+            self.num_recoveries += 1
+            inexact = [i for i, state in self.states.items() if not state.exact]
+            logger.warning(
+                "prefix index recovered: %d instances resynchronised%s; prefix-aware routing "
+                "resumes",
+                len(self.instance_ids) - len(inexact),
+                f", {len(inexact)} cleared (no snapshot): {inexact}" if inexact else "",
+            )
+
+    def _resync(self, instance_id: str) -> None:
+        source = self.snapshot_source(instance_id) if self.snapshot_source else None
+        if source is None:
+            self.index.clear_instance(instance_id)
+            self.states[instance_id].exact = False
+        else:
+            self._install_snapshot(instance_id, source)
+
+    def _install_snapshot(
+        self, instance_id: str, source: EventBatch | Iterable[KVCacheEvent]
+    ) -> None:
+        state = self.states[instance_id]
+        next_seq = None
+        if isinstance(source, EventBatch):
+            next_seq = source.snapshot_next_seq
+            source = source.events
+        # A snapshot replaces what the instance held: clear first even if it does not.
+        events: list[KVCacheEvent] = [AllBlocksCleared(), *source]
+        self.index.apply_events(instance_id, external_events(events) if self._use_int else events)
+        state.exact = True
+        state.num_snapshots += 1
+        if next_seq is not None:
+            state.next_seq = next_seq
 
     def _enter_outage(self, exc: Exception) -> None:
         self._last_attempt = self.clock()
@@ -168,28 +367,4 @@ class Router:
             "prefix index unavailable (%s): routing falls back to %s until it recovers",
             exc,
             self.fallback.name,
-        )
-
-    def _maybe_recover(self) -> None:
-        now = self.clock()
-        if now - self._last_attempt < self.retry_interval_s:
-            return
-        self._last_attempt = now
-        try:
-            self.index.ping()
-            for instance_id in self.instance_ids:
-                events = self.snapshot_source(instance_id) if self.snapshot_source else None
-                if events is None:
-                    events = [AllBlocksCleared()]
-                elif self._use_int:
-                    events = _external_events(events)
-                self.index.apply_events(instance_id, events)
-        except IndexUnavailableError:
-            return
-        self.degraded = False
-        self.num_recoveries += 1
-        logger.warning(
-            "prefix index recovered: %d instances resynchronised%s; prefix-aware routing resumes",
-            len(self.instance_ids),
-            " from snapshots" if self.snapshot_source else " (cleared: no snapshot source)",
         )

@@ -17,7 +17,15 @@ from typing import Any
 
 from pagedkv.block import to_external_hash
 from pagedkv.errors import ConfigError, InvariantViolation
-from pagedkv.router import POLICY_NAMES, Router, make_policy, request_block_hashes
+from pagedkv.router import (
+    POLICY_NAMES,
+    IndexUnavailableError,
+    Router,
+    external_events,
+    make_policy,
+    request_block_hashes,
+)
+from pagedkv.sim.cluster_audit import RoutingAudit
 from pagedkv.sim.serve import (
     ServeConfig,
     ServeRun,
@@ -30,6 +38,8 @@ from pagedkv.sim.traces import Trace
 ProgressCallback = Callable[[int], None]
 EVENT_TRANSPORTS = ("inproc", "tcp")
 _BARRIER_TIMEOUT_S = 30.0
+_FILL_AFTER_S = 0.5  # nothing received this long while behind: ask the replay socket
+_AUDIT_CONTENTS_EVERY = 25  # decisions between two whole-index comparisons (and after a recovery)
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,19 @@ class ClusterConfig:
     """prefix-aware only: candidates are within this many unfinished requests of the least
     loaded instance (None: pure prefix scoring, which piles a shared system prompt's whole
     workload onto one instance)."""
+    index_url: str | None = None
+    """None: the router's index in memory; `redis://HOST:PORT[/DB]`: in that Redis (extra
+    `[router]`), one fresh namespace per run, resynchronised from the instances' snapshots
+    after an outage."""
+    index_retry_interval_s: float = 0.5
+    """How often a router whose index is down tries it again (wall-clock seconds)."""
+    router_url: str | None = None
+    """Route through this running `pagedkv router serve` (http://HOST:PORT) instead of an
+    in-process router: the instances publish on the endpoints it subscribes to."""
+    audit_index: bool = False
+    """Check every routing decision made on the index against an index fed directly by the
+    publishers (the truth as of the batches published): counts phantom hits (a score above
+    the truth) and inexact decisions. Costs one more index; for tests."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_instances, int) or self.num_instances < 1:
@@ -52,24 +75,44 @@ class ClusterConfig:
             raise ConfigError(
                 f"event_transport must be one of {EVENT_TRANSPORTS}, got {self.event_transport!r}"
             )
+        if self.router_url is not None and self.index_url is not None:
+            raise ConfigError("router_url and index_url exclude each other (the service has one)")
+        if self.index_url is not None and not self.index_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ConfigError(
+                f"index_url must be redis://HOST:PORT[/DB] (or rediss://, unix://), got "
+                f"{self.index_url!r}"
+            )
 
 
 class _Instance:
     """One serving instance: its run, its publisher, and the router's subscriber to it."""
 
-    def __init__(self, instance_id: str, run: ServeRun, transport: str, run_tag: str) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        run: ServeRun,
+        transport: str,
+        run_tag: str,
+        endpoints: tuple[str, str] | None = None,
+    ) -> None:
         from pagedkv.wire.transport import ZmqEventPublisher, ZmqEventSubscriber
 
         self.instance_id = instance_id
         self.run = run
-        if transport == "inproc":
+        self.subscriber: Any = None
+        if endpoints is not None:  # a router service subscribes to these
+            self.publisher = ZmqEventPublisher(endpoints[0], endpoints[1], bind=True)
+        elif transport == "inproc":
             name = f"inproc://pagedkv-sim-{run_tag}-{instance_id}"
             self.publisher = ZmqEventPublisher(name, name + "-replay")
             endpoint, replay = name, name + "-replay"
         else:
             self.publisher = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
             endpoint, replay = self.publisher.endpoint, self.publisher.replay_endpoint
-        self.subscriber = ZmqEventSubscriber(endpoint, replay, replay_timeout_s=5.0)
+        if endpoints is None:
+            self.subscriber = ZmqEventSubscriber(endpoint, replay, replay_timeout_s=5.0)
         self.pending: list[tuple[float, list]] = []  # (visible at, events) not yet published
         self.num_dispatched = 0
         self.busy_s = 0.0
@@ -83,7 +126,8 @@ class _Instance:
         return self.run.scheduler.has_unfinished_requests()
 
     def close(self) -> None:
-        self.subscriber.close()
+        if self.subscriber is not None:
+            self.subscriber.close()
         self.publisher.shutdown()
 
 
@@ -96,14 +140,28 @@ class _ClusterRun:
         serve = replace(config.serve, enable_kv_cache_events=True)
         empty = Trace(trace.name, (), trace.source)
         tag = uuid.uuid4().hex[:8]
+        self.remote = self._connect_remote(config, serve)
         self.instances = [
-            _Instance(str(i), ServeRun(empty, serve), config.event_transport, tag)
+            _Instance(
+                str(i),
+                ServeRun(empty, serve),
+                config.event_transport,
+                tag,
+                None if self.remote is None else self.remote.endpoints[i],
+            )
             for i in range(config.num_instances)
         ]
-        self.router = Router(
+        if self.remote is not None:
+            self.remote.wait_for_fresh_streams()
+        self.policy = policy
+        self.router: Any = self.remote or Router(
             [inst.instance_id for inst in self.instances],
             make_policy(policy, config.max_load_gap),
+            index=self._make_index(config.index_url, tag),
+            snapshot_source=self._snapshot,
+            retry_interval_s=config.index_retry_interval_s,
         )
+        self.audit = RoutingAudit() if config.audit_index else None
         self.trace = trace
         self.serve = serve
         self.arrivals = [r.arrival_time_s * serve.time_scale for r in trace.requests]
@@ -115,9 +173,30 @@ class _ClusterRun:
         self.collectors: dict[str, Any] = {}
         if metrics is not None:
             self._attach_collectors(config.residency_sample_rate)
+        self.index_url = config.index_url
         self.num_rejected = 0
         self.matched_blocks: list[int] = []
         self.hash_block_size = serve.block_size
+
+    @staticmethod
+    def _connect_remote(config: ClusterConfig, serve: ServeConfig) -> Any:
+        if config.router_url is None:
+            return None
+        from pagedkv.sim.remote_router import RemoteRouter
+
+        return RemoteRouter(
+            config.router_url, config.num_instances, serve.block_size, serve.hash_algorithm
+        )
+
+    def _make_index(self, url: str | None, tag: str) -> Any:
+        if url is None:
+            return None
+        from pagedkv.router.redis_index import RedisPrefixIndex
+
+        return RedisPrefixIndex(url, namespace=f"pagedkv-sim-{tag}")
+
+    def _snapshot(self, instance_id: str) -> Any:
+        return self.instances[int(instance_id)].subscriber.sync_batch()
 
     def _attach_collectors(self, sample_rate: float) -> None:
         from pagedkv.metrics.residency import KVCacheMetricsCollector
@@ -154,6 +233,7 @@ class _ClusterRun:
                     progress(self.num_done)
             self._publish_visible(float("inf"))
             self._barrier()
+            self.router.maybe_recover(force=True)  # the summary reads the index
         finally:
             for inst in self.instances:
                 inst.close()
@@ -171,7 +251,20 @@ class _ClusterRun:
         self._barrier()  # the router sees every event published so far, no more
         loads = {inst.instance_id: inst.run.scheduler.get_num_unfinished_requests()
                  for inst in self.instances}  # fmt: skip
-        decision = self.router.route(request_block_hashes(request), loads)
+        block_hashes = request_block_hashes(request)
+        if self.remote is not None:
+            published = [inst.publisher.next_seq - 1 for inst in self.instances]
+            decision = self.remote.route_request(
+                request.prompt_token_ids, loads, published, self.policy
+            )
+        else:
+            decision = self.router.route(block_hashes, loads)
+        if self.audit is not None and decision.match_lengths is not None:
+            self.audit.check(block_hashes, decision.match_lengths)
+            recovered = self.router.num_recoveries != self.audit.seen_recoveries
+            if recovered or self.audit.num_decisions % _AUDIT_CONTENTS_EVERY == 0:
+                self.audit.seen_recoveries = self.router.num_recoveries
+                self.audit.check_contents(self.router.index, self.instances)
         self.matched_blocks.append(decision.matched_blocks)
         inst = self.instances[int(decision.instance_id)]
         if not inst.busy:
@@ -200,12 +293,18 @@ class _ClusterRun:
             while count < len(pending) and pending[count][0] <= now_s:
                 visible_s, events = pending[count]
                 inst.publisher.publish(EventBatch(visible_s, events))
+                if self.audit is not None:
+                    self.audit.truth.apply_events(inst.instance_id, external_events(events))
                 count += 1
             del pending[:count]
 
     def _barrier(self) -> None:
-        """Apply, through the subscribers, every batch published so far."""
+        """Apply, through the subscribers, every batch published so far (a router service
+        does it itself: each request's `sync`)."""
+        if self.remote is not None:
+            return
         deadline = time.monotonic() + _BARRIER_TIMEOUT_S
+        router = self.router
         for inst in self.instances:
             last_published = inst.publisher.next_seq - 1
             subscriber = inst.subscriber
@@ -217,8 +316,19 @@ class _ClusterRun:
                         f"instance {inst.instance_id}: events up to {last_published} were "
                         f"published but the router got {subscriber.last_seq}"
                     )
-                for item in subscriber.poll(0.01):
-                    self.router.apply_events(inst.instance_id, item.batch.events)
+                num_lost = subscriber.num_lost
+                items = subscriber.poll(0.01)
+                if not items and time.monotonic() > deadline - _BARRIER_TIMEOUT_S + _FILL_AFTER_S:
+                    # Over tcp the first batches can go out before the subscription arrives
+                    # (ZeroMQ's slow joiner), and nothing later reveals the gap.
+                    items = subscriber.fill_to(last_published + 1)
+                for item in items:
+                    # Sequence-aware: a batch that a snapshot applied meanwhile (a recovery
+                    # inside this loop) already contains is skipped, never applied twice.
+                    router.apply_batch(inst.instance_id, item.seq, item.batch)
+                if subscriber.num_lost != num_lost:
+                    router.mark_lost(inst.instance_id)
+        router.maybe_recover()
 
     def _observe(self, inst: _Instance) -> None:
         run = inst.run
@@ -247,8 +357,17 @@ class _ClusterRun:
 
     # ------------------------------------------------------------------ the report
 
-    def index_matches_pools(self) -> bool:
-        """Whether the router's index equals every instance's real cache contents."""
+    def index_matches_pools(self) -> bool | None:
+        """Whether the router's index equals every instance's real cache contents (None: the
+        index cannot be read)."""
+        if self.remote is not None or self.router.degraded:
+            return None
+        try:
+            return self._index_equals_pools()
+        except IndexUnavailableError:
+            return None
+
+    def _index_equals_pools(self) -> bool:
         for inst in self.instances:
             pool = inst.run.manager.block_pool
             actual: dict = {}
@@ -284,13 +403,7 @@ class _ClusterRun:
                     "event_batches": inst.publisher.next_seq,
                     "events": inst.num_events,
                     "events_dropped": inst.publisher.dropped_batches,
-                    "subscriber": {
-                        "gaps": inst.subscriber.num_gaps,
-                        "replayed": inst.subscriber.num_replayed,
-                        "snapshots": inst.subscriber.num_snapshots,
-                        "missed": inst.subscriber.num_missed,
-                        "malformed": inst.subscriber.num_malformed,
-                    },
+                    "subscriber": _subscriber_counts(inst.subscriber),
                 }
             )
         completed = sum(run.totals["completed"] for run in runs)
@@ -312,17 +425,53 @@ class _ClusterRun:
                 "output_tokens_per_s": round_sig6(rate_per_s(output_tokens, makespan_s)),
             },
             "load_balance": _load_balance(per_instance),
-            "routing": {
-                "mean_matched_blocks": round_sig6(
-                    sum(self.matched_blocks) / len(self.matched_blocks)
-                    if self.matched_blocks
-                    else 0.0
-                ),
-                "fallback_decisions": self.router.num_fallback_decisions,
-                "index_matches_pools": index_ok,
-            },
+            "routing": self._routing_summary(index_ok),
             "instances": per_instance,
         }
+
+    def _routing_summary(self, index_ok: bool | None) -> dict[str, Any]:
+        router = self.router
+        matched = self.matched_blocks
+        out: dict[str, Any] = {
+            "mean_matched_blocks": round_sig6(sum(matched) / len(matched) if matched else 0.0),
+            "fallback_decisions": router.num_fallback_decisions,
+            "index_matches_pools": index_ok,
+            "index": "service" if self.remote else "redis" if self.index_url else "memory",
+            **({} if self.remote is None else self.remote.describe()),
+            "index_available": not router.degraded,
+            "index_exact": router.exact,
+            "index_outages": router.num_outages,
+            "index_recoveries": router.num_recoveries,
+            "dropped_event_batches": router.num_dropped_event_batches,
+        }
+        if self.audit is not None:
+            out["audit"] = self.audit.summary()
+        return out
+
+    def close(self) -> None:
+        """Drop this run's Redis namespace, if the server is reachable."""
+        if self.remote is not None:
+            self.remote.close()
+            return
+        drop = getattr(self.router.index, "drop_namespace", None)
+        if drop is not None:
+            try:
+                drop()
+            except IndexUnavailableError:
+                pass
+
+
+def _subscriber_counts(subscriber: Any) -> dict[str, int] | None:
+    """The in-process subscriber's counters (None: a router service subscribed instead)."""
+    if subscriber is None:
+        return None
+    return {
+        "gaps": subscriber.num_gaps,
+        "replayed": subscriber.num_replayed,
+        "snapshots": subscriber.num_snapshots,
+        "missed": subscriber.num_missed,
+        "malformed": subscriber.num_malformed,
+    }
 
 
 def _load_balance(per_instance: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -362,6 +511,9 @@ def simulate_cluster(
     for policy in policies:
         prefix = f"{policy}/" if len(policies) > 1 else ""
         run = _ClusterRun(trace, config, policy, metrics, prefix)
-        run.run(progress)
-        summaries.append(run.summary(policy))
+        try:
+            run.run(progress)
+            summaries.append(run.summary(policy))
+        finally:
+            run.close()
     return summaries

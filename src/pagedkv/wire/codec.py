@@ -245,6 +245,13 @@ class EventDecoder:
         self.num_unknown_events = 0
 
     def decode(self, payload: bytes | bytearray | memoryview) -> EventBatch:
+        """Decode one batch; any malformed payload raises `WireFormatError`."""
+        try:
+            return self._decode(payload)
+        except RecursionError as exc:  # msgspec and extra keys recurse per nesting level
+            raise WireFormatError("payload nests deeper than the decoder allows") from exc
+
+    def _decode(self, payload: bytes | bytearray | memoryview) -> EventBatch:
         try:
             raw = self._decode_any(payload)
         except self._errors as exc:

@@ -2,8 +2,8 @@
 
 Publisher: a PUB socket sending `[topic, seq (8 bytes, big-endian, from 0), payload]` and a
 ROUTER answering replay requests; a bounded queue feeds a background thread, so `publish`
-never blocks. Subscriber: fills sequence gaps through replay, or resynchronises from a
-snapshot (our extension). Contract in docs/events.md.
+never blocks. The subscriber lives in `pagedkv.wire.subscriber` (re-exported here). Contract
+in docs/events.md.
 """
 
 from __future__ import annotations
@@ -14,13 +14,29 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.errors import InvalidArgumentError, MissingDependencyError
 from pagedkv.events import KVCacheEvent
-from pagedkv.wire.codec import EventBatch, EventDecoder, EventEncoder, WireFormatError
+from pagedkv.wire.codec import EventBatch, EventEncoder
 from pagedkv.wire.snapshot import CacheMirror
+from pagedkv.wire.subscriber import (
+    END_SEQ,
+    SEQ_BYTES,
+    SNAPSHOT_REQUEST,
+    ReceivedBatch,
+    ZmqEventSubscriber,
+)
+
+__all__ = [
+    "END_SEQ",
+    "SNAPSHOT_REQUEST",
+    "ReceivedBatch",
+    "ZmqEventPublisher",
+    "ZmqEventSubscriber",
+    "offset_endpoint_port",
+    "should_bind",
+]
 
 try:
     import zmq
@@ -31,13 +47,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 logger = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-"""Sequence frame that ends a replay answer (`[b"", END_SEQ, b""]` after the topic frame)."""
-
-SNAPSHOT_REQUEST = b"pagedkv.snapshot"
-"""Replay-socket request for a snapshot (16 bytes, so never mistaken for an 8-byte seq)."""
-
-_SEQ_BYTES = 8
+_SEQ_BYTES = SEQ_BYTES
 
 
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
@@ -71,8 +81,8 @@ def should_bind(endpoint: str) -> bool:
     return endpoint.startswith("tcp://") and endpoint.rpartition(":")[2] == "0"
 
 
-def _bind_or_connect(socket: Any, endpoint: str) -> str:
-    if should_bind(endpoint):
+def _bind_or_connect(socket: Any, endpoint: str, bind: bool | None = None) -> str:
+    if should_bind(endpoint) if bind is None else bind:
         socket.bind(endpoint)
         return socket.getsockopt(zmq.LAST_ENDPOINT).decode()
     socket.connect(endpoint)
@@ -88,6 +98,9 @@ class ZmqEventPublisher:
     in `dropped_batches` and logs a warning; its sequence number is still consumed, so
     subscribers see a gap that replay cannot fill and resynchronise from a snapshot. PUB
     itself drops messages for a subscriber past `hwm`; a vanished consumer never blocks.
+
+    Endpoint: bound or connected as `should_bind` decides, unless `bind` says (a service that
+    connects to `tcp://host:port` needs the publisher to bind that named address).
 
     Snapshots: with `track_state` (default), `publish` also applies the batch to a
     `CacheMirror`, and a snapshot request on the replay socket is answered with a batch that
@@ -111,6 +124,7 @@ class ZmqEventPublisher:
         track_state: bool = True,
         context: Any = None,
         startup_timeout_s: float = 5.0,
+        bind: bool | None = None,
     ) -> None:
         for name, value in (
             ("buffer_steps", buffer_steps),
@@ -128,6 +142,7 @@ class ZmqEventPublisher:
         self.replay_endpoint: str | None = None
         self.encoder = encoder or EventEncoder()
         self._hwm = hwm
+        self._bind = bind
         self._context = context or zmq.Context.instance()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -221,7 +236,7 @@ class ZmqEventPublisher:
             pub = self._context.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self._hwm)
             pub.setsockopt(zmq.LINGER, 0)
-            self.endpoint = _bind_or_connect(pub, self._requested_endpoint)
+            self.endpoint = _bind_or_connect(pub, self._requested_endpoint, self._bind)
             if self._requested_replay is not None:
                 router = self._context.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
@@ -288,199 +303,3 @@ class ZmqEventPublisher:
         else:
             logger.warning("replay socket: ignoring a %d-byte request", len(request))
         router.send_multipart([client_id, b"", b"", END_SEQ, b""])
-
-
-@dataclass(slots=True)
-class ReceivedBatch:
-    """A decoded batch and its sequence number (for a snapshot, its `snapshot_next_seq`)."""
-
-    seq: int
-    batch: EventBatch
-    replayed: bool = False
-
-
-class ZmqEventSubscriber:
-    """Receive batches in sequence order, filling gaps by replay or from a snapshot.
-
-    `poll` returns batches to apply, in order, each once: duplicates (seq already seen) are
-    dropped; a gap triggers a replay request from the first missing seq; if the replay does
-    not cover the gap (the publisher dropped batches, or they left its replay window), a
-    snapshot request; a snapshot batch (apply it: it starts with `AllBlocksCleared`) moves
-    the position past every batch it covers. Malformed frames and payloads are counted in
-    `num_malformed` and skipped; a malformed payload still consumes its sequence number.
-    Without a replay endpoint, or when the publisher does not answer, the missing batches
-    are counted in `num_missed` and skipped.
-    """
-
-    def __init__(
-        self,
-        endpoint: str,
-        replay_endpoint: str | None = None,
-        *,
-        topic: str = "",
-        context: Any = None,
-        replay_timeout_s: float = 1.0,
-        decoder: EventDecoder | None = None,
-    ) -> None:
-        self._context = context or zmq.Context.instance()
-        self._decoder = decoder or EventDecoder()
-        self.endpoint = endpoint
-        self.replay_endpoint = replay_endpoint
-        self.replay_timeout_s = replay_timeout_s
-        self._sub = self._context.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        if "*" in endpoint or "::" in endpoint:
-            self._sub.bind(endpoint)  # the publisher connects (its endpoint names a host)
-        else:
-            self._sub.connect(endpoint)
-        self._replay: Any = None
-        self.last_seq: int | None = None
-        self.num_received = 0
-        self.num_malformed = 0
-        self.num_duplicates = 0
-        self.num_gaps = 0
-        self.num_replayed = 0
-        self.num_snapshots = 0
-        self.num_missed = 0
-
-    def poll(self, timeout_s: float = 0.0, max_batches: int = 10_000) -> list[ReceivedBatch]:
-        """Wait up to `timeout_s` for data, then return every batch ready to apply."""
-        out: list[ReceivedBatch] = []
-        if not self._sub.poll(int(timeout_s * 1000)):
-            return out
-        while len(out) < max_batches:
-            try:
-                frames = self._sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self._handle(frames, out)
-        return out
-
-    def sync(self) -> ReceivedBatch | None:
-        """Resynchronise from a snapshot now (a late joiner); None if none is available."""
-        snapshot = self._request_snapshot()
-        if snapshot is not None:
-            self.last_seq = snapshot.seq - 1
-        return snapshot
-
-    def sync_events(self) -> list[KVCacheEvent] | None:
-        """`sync()`, returning the snapshot's events (a router's `snapshot_source`)."""
-        snapshot = self.sync()
-        return None if snapshot is None else snapshot.batch.events
-
-    def close(self) -> None:
-        self._sub.close(linger=0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
-            self._replay = None
-
-    def __enter__(self) -> ZmqEventSubscriber:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    # ------------------------------------------------------------------ internals
-
-    def _handle(self, frames: list[bytes], out: list[ReceivedBatch]) -> None:
-        if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
-            self.num_malformed += 1
-            return
-        seq = int.from_bytes(frames[1], "big")
-        if self.last_seq is not None and seq <= self.last_seq:
-            self.num_duplicates += 1
-            return
-        expected = 0 if self.last_seq is None else self.last_seq + 1
-        if seq > expected:
-            self._recover(expected, seq, out)
-            if self.last_seq is not None and seq <= self.last_seq:
-                self.num_duplicates += 1
-                return
-        self.last_seq = seq
-        self.num_received += 1
-        batch = self._decode(frames[2])
-        if batch is not None:
-            out.append(ReceivedBatch(seq, batch))
-
-    def _decode(self, payload: bytes) -> EventBatch | None:
-        try:
-            return self._decoder.decode(payload)
-        except WireFormatError as exc:
-            self.num_malformed += 1
-            logger.warning("skipping a malformed KV event payload: %s", exc)
-            return None
-
-    def _recover(self, expected: int, upto: int, out: list[ReceivedBatch]) -> None:
-        """Fill [expected, upto) by replay, else from a snapshot, else count them missed."""
-        self.num_gaps += 1
-        if self.replay_endpoint is not None:
-            replayed = self._request_replay(expected)
-            next_needed = expected
-            for seq, payload in replayed or ():
-                if seq < next_needed:
-                    continue
-                if seq != next_needed or seq >= upto:
-                    break
-                self.last_seq = seq
-                self.num_replayed += 1
-                batch = self._decode(payload)
-                if batch is not None:
-                    out.append(ReceivedBatch(seq, batch, replayed=True))
-                next_needed += 1
-            if next_needed == upto:
-                return
-            snapshot = self._request_snapshot()
-            if snapshot is not None and snapshot.seq >= upto:
-                out.append(snapshot)
-                self.last_seq = snapshot.seq - 1
-                return
-            expected = next_needed
-        logger.warning("KV events %d..%d are lost (no replay or snapshot)", expected, upto - 1)
-        self.num_missed += upto - expected
-        self.last_seq = upto - 1
-
-    def _replay_socket(self) -> Any:
-        if self._replay is None:
-            self._replay = self._context.socket(zmq.DEALER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.connect(self.replay_endpoint)
-        return self._replay
-
-    def _ask(self, request: bytes) -> list[tuple[int, bytes]] | None:
-        """Send one request on the replay socket; collect `(seq, payload)` until END_SEQ."""
-        if self.replay_endpoint is None:
-            return None
-        socket = self._replay_socket()
-        socket.send_multipart([b"", request])
-        answers: list[tuple[int, bytes]] = []
-        deadline = time.monotonic() + self.replay_timeout_s
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not socket.poll(remaining_ms):
-                # No complete answer: drop the socket so a late answer cannot be misread.
-                logger.warning("no answer from the replay endpoint %s", self.replay_endpoint)
-                socket.close(linger=0)
-                self._replay = None
-                return None
-            frames = socket.recv_multipart()
-            if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != _SEQ_BYTES:
-                self.num_malformed += 1
-                continue
-            if frames[2] == END_SEQ:
-                return answers
-            answers.append((int.from_bytes(frames[2], "big"), frames[3]))
-
-    def _request_replay(self, start_seq: int) -> list[tuple[int, bytes]] | None:
-        return self._ask(start_seq.to_bytes(_SEQ_BYTES, "big"))
-
-    def _request_snapshot(self) -> ReceivedBatch | None:
-        answers = self._ask(SNAPSHOT_REQUEST)
-        if not answers:
-            return None
-        seq, payload = answers[0]
-        batch = self._decode(payload)
-        if batch is None or not batch.is_snapshot:
-            return None
-        self.num_snapshots += 1
-        return ReceivedBatch(batch.snapshot_next_seq, batch, replayed=True)

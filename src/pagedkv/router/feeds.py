@@ -1,0 +1,136 @@
+"""Router layer (extra `[events]`): feed a `Router` from N instances' ZeroMQ event streams in a
+background thread, sequence-aware, reporting losses and connection state.
+
+The router and index are shared with the HTTP handlers: every access holds `lock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagedkv.router.router import Router
+from pagedkv.router.service_config import InstanceConfig
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_MS = 50
+
+
+class EventFeeds:
+    """One `ZmqEventSubscriber` per instance, polled by one thread that applies what arrives.
+
+    Contract: batches are applied in sequence order, each once (`Router.apply_batch`), a loss
+    (`num_lost` grew) marks the instance lost, the connection state is reported to the router,
+    and `Router.maybe_recover` runs between polls. `applied_seq[i]` is the last sequence number
+    of instance i the router has seen (applied, skipped as contained in a snapshot, or lost).
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        instances: Sequence[InstanceConfig],
+        replay_timeout_s: float = 1.0,
+        context: Any = None,
+    ) -> None:
+        from pagedkv.wire.transport import ZmqEventSubscriber
+
+        self.router = router
+        self.lock = threading.Lock()
+        self.subscribers = {
+            inst.instance_id: ZmqEventSubscriber(
+                inst.endpoint,
+                inst.replay_endpoint,
+                topic=inst.topic,
+                replay_timeout_s=replay_timeout_s,
+                context=context,
+            )
+            for inst in instances
+        }
+        self.applied_seq: dict[str, int | None] = dict.fromkeys(self.subscribers)
+        self.num_events_applied: dict[str, int] = dict.fromkeys(self.subscribers, 0)
+        self._last_resync_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagedkv-router-feeds", daemon=True)
+
+    def snapshot_source(self, instance_id: str) -> Any:
+        """The router's `snapshot_source`: ask the instance's publisher for a snapshot."""
+        return self.subscribers[instance_id].sync_batch()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        for subscriber in self.subscribers.values():
+            subscriber.close()
+
+    def poll_once(self, timeout_ms: int = _IDLE_WAIT_MS) -> int:
+        """Apply what every subscriber has ready (waiting up to `timeout_ms` if none has);
+        returns the number of batches seen."""
+        num_batches = 0
+        router = self.router
+        for instance_id, subscriber in self.subscribers.items():
+            num_lost = subscriber.num_lost
+            items = subscriber.poll(0)
+            with self.lock:
+                for item in items:
+                    router.apply_batch(instance_id, item.seq, item.batch)
+                    self.num_events_applied[instance_id] += len(item.batch.events)
+                if subscriber.num_lost != num_lost:
+                    router.mark_lost(instance_id)
+                router.set_connected(instance_id, subscriber.connected is not False)
+                self.applied_seq[instance_id] = subscriber.last_seq
+            num_batches += len(items)
+        with self.lock:
+            router.maybe_recover(resync_inexact=False)
+            inexact = [i for i, state in router.states.items() if not state.exact]
+        if inexact and not router.degraded:
+            self._resync(inexact)
+        if not num_batches and timeout_ms:
+            self._wait(timeout_ms)
+        return num_batches
+
+    def _resync(self, inexact: list[str]) -> None:
+        """Ask inexact instances for a snapshot (at most once per retry interval), off the
+        lock: a publisher that does not answer costs the feed its timeout, not the API."""
+        now = time.monotonic()
+        if now - self._last_resync_s < self.router.retry_interval_s:
+            return
+        self._last_resync_s = now
+        for instance_id in inexact:
+            snapshot = self.subscribers[instance_id].sync_batch()
+            if snapshot is not None and snapshot.snapshot_next_seq is not None:
+                with self.lock:
+                    self.router.apply_batch(instance_id, snapshot.snapshot_next_seq, snapshot)
+
+    def _wait(self, timeout_ms: int) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        for subscriber in self.subscribers.values():
+            for socket in subscriber.poll_sockets:
+                poller.register(socket, zmq.POLLIN)
+        poller.poll(timeout_ms)
+
+    def caught_up(self, targets: dict[str, int]) -> bool:
+        """Whether the router has seen every instance's batches up to `targets[i]`."""
+        applied = self.applied_seq
+        for instance_id, seq in targets.items():
+            last = applied.get(instance_id)
+            if last is None or last < seq:
+                return False
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception:  # noqa: BLE001 - the feed must outlive one bad iteration
+                logger.exception("router event feed: an iteration failed; continuing")
+                time.sleep(0.1)

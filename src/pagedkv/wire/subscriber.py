@@ -1,0 +1,370 @@
+"""Adapter (extra `[events]`): the subscriber side of KV events over ZeroMQ: batches in sequence
+order, gaps filled by replay or a snapshot, losses counted, publisher restarts detected.
+Protocol and contract: docs/events.md; the publisher is `pagedkv.wire.transport`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.errors import MissingDependencyError
+from pagedkv.events import AllBlocksCleared, KVCacheEvent
+from pagedkv.wire.codec import EventBatch, EventDecoder, WireFormatError
+
+try:
+    import zmq
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise MissingDependencyError(
+        "KV events over ZeroMQ need pyzmq: pip install 'pagedkv[events]'"
+    ) from exc
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""Sequence frame that ends a replay answer (`[b"", END_SEQ, b""]` after the topic frame)."""
+
+SNAPSHOT_REQUEST = b"pagedkv.snapshot"
+"""Replay-socket request for a snapshot (16 bytes, so never mistaken for an 8-byte seq)."""
+
+SEQ_BYTES = 8
+
+
+@dataclass(slots=True)
+class ReceivedBatch:
+    """A decoded batch and its sequence number (for a snapshot, its `snapshot_next_seq`)."""
+
+    seq: int
+    batch: EventBatch
+    replayed: bool = False
+
+
+class ZmqEventSubscriber:
+    """Receive batches in sequence order, filling gaps by replay or from a snapshot.
+
+    `poll` returns batches to apply, in order, each once: duplicates (seq already seen) are
+    dropped; a gap triggers a replay request from the first missing seq; if the replay does
+    not cover the gap (the publisher dropped batches, or they left its replay window), a
+    snapshot request; a snapshot batch (apply it: it starts with `AllBlocksCleared`) moves
+    the position past every batch it covers. Malformed frames and payloads are counted in
+    `num_malformed` and skipped; a malformed payload still consumes its sequence number.
+    Without a replay endpoint, or when the publisher does not answer, the missing batches
+    are counted in `num_missed` and skipped. `num_lost` counts every batch lost for good
+    (missed, or a payload that did not decode): a consumer whose state must be exact compares
+    it across `poll` calls (the router's `mark_lost`).
+
+    Publisher restarts: a live sequence number below the last one received (or at it, across
+    a reconnection) means a new publisher, which starts again at 0 with an empty cache (as a
+    vLLM engine does). `poll` then yields a synthetic snapshot `[AllBlocksCleared]` with
+    `snapshot_next_seq = 0` and reads the new stream from 0 (`num_restarts`). Over tcp and ipc
+    the subscriber also watches its connection (`connected`): on reconnecting it asks for a
+    snapshot, and without one (a vLLM publisher) asks the replay buffer for its last batch: the
+    same publisher still has it (same seq and timestamp), a restarted one does not, and its
+    stream is then read again from 0 after the synthetic snapshot.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        context: Any = None,
+        replay_timeout_s: float = 1.0,
+        decoder: EventDecoder | None = None,
+    ) -> None:
+        self._context = context or zmq.Context.instance()
+        self._decoder = decoder or EventDecoder()
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.replay_timeout_s = replay_timeout_s
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._replay: Any = None
+        self.last_seq: int | None = None
+        self.num_received = 0
+        self.num_malformed = 0
+        self.num_duplicates = 0
+        self.num_gaps = 0
+        self.num_replayed = 0
+        self.num_snapshots = 0
+        self.num_missed = 0
+        self.num_lost = 0
+        self.num_restarts = 0
+        self.num_disconnects = 0
+        self._last_live_seq: int | None = None
+        self._last_ts: float | None = None  # of batch `last_seq`: tells incarnations apart
+        self._suspect_restart = False
+        self._monitor: Any = None
+        self.connected: bool | None = None
+        """Over tcp/ipc: whether the SUB socket is connected (None until known, or inproc)."""
+        if endpoint.startswith(("tcp://", "ipc://")):
+            self._monitor = self._sub.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+            )
+            self.connected = False
+        # Connect after the monitor is attached, or a quick connection goes unseen.
+        if "*" in endpoint or "::" in endpoint:
+            self._sub.bind(endpoint)  # the publisher connects (its endpoint names a host)
+        else:
+            self._sub.connect(endpoint)
+
+    def poll(self, timeout_s: float = 0.0, max_batches: int = 10_000) -> list[ReceivedBatch]:
+        """Wait up to `timeout_s` for data, then return every batch ready to apply."""
+        out: list[ReceivedBatch] = []
+        if self._monitor is not None:
+            self._watch_connection(out)
+            if not self._sub.poll(0):
+                poller = zmq.Poller()
+                poller.register(self._sub, zmq.POLLIN)
+                poller.register(self._monitor, zmq.POLLIN)
+                ready = dict(poller.poll(int(timeout_s * 1000)))
+                if self._monitor in ready:
+                    self._watch_connection(out)
+                if self._sub not in ready and not self._sub.poll(0):
+                    return out
+        elif not self._sub.poll(int(timeout_s * 1000)):
+            return out
+        while len(out) < max_batches:
+            try:
+                frames = self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._handle(frames, out)
+        return out
+
+    @property
+    def poll_sockets(self) -> list[Any]:
+        """The sockets to wait on (with a `zmq.Poller`) before calling `poll` on several
+        subscribers at once."""
+        return [self._sub] if self._monitor is None else [self._sub, self._monitor]
+
+    def fill_to(self, next_seq: int) -> list[ReceivedBatch]:
+        """The publisher says it sent every batch below `next_seq`: fetch by replay (else a
+        snapshot) the ones not received. PUB/SUB gives no other sign of a loss at the end of
+        a stream (a subscriber that connected after the last batch waits forever)."""
+        out: list[ReceivedBatch] = []
+        expected = 0 if self.last_seq is None else self.last_seq + 1
+        if expected < next_seq:
+            self._recover(expected, next_seq, out)
+        return out
+
+    def sync(self) -> ReceivedBatch | None:
+        """Resynchronise from a snapshot now (a late joiner); None if none is available."""
+        snapshot = self._request_snapshot()
+        if snapshot is not None:
+            self.last_seq = snapshot.seq - 1
+            self._last_ts = None
+        return snapshot
+
+    def sync_events(self) -> list[KVCacheEvent] | None:
+        """`sync()`, returning the snapshot's events."""
+        snapshot = self.sync()
+        return None if snapshot is None else snapshot.batch.events
+
+    def sync_batch(self) -> EventBatch | None:
+        """`sync()`, returning the snapshot batch (a router's `snapshot_source`: its
+        `snapshot_next_seq` tells the router which stream batches it already contains)."""
+        snapshot = self.sync()
+        return None if snapshot is None else snapshot.batch
+
+    def close(self) -> None:
+        if self._monitor is not None:
+            self._sub.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+        self._sub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+            self._replay = None
+
+    def __enter__(self) -> ZmqEventSubscriber:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _watch_connection(self, out: list[ReceivedBatch]) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                self.connected = True
+                if self._suspect_restart:
+                    self._resolve_reconnect(out)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+                self.num_disconnects += 1
+                self._suspect_restart = True
+
+    def _handle(self, frames: list[bytes], out: list[ReceivedBatch]) -> None:
+        if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+            self.num_malformed += 1
+            return
+        seq = int.from_bytes(frames[1], "big")
+        last_live = self._last_live_seq
+        self._last_live_seq = seq
+        if last_live is not None and seq < last_live:
+            self._restart(out)  # a live stream never goes back: a new publisher
+        elif self._suspect_restart:
+            self._resolve_reconnect(out)
+        if self.last_seq is not None and seq <= self.last_seq:
+            self.num_duplicates += 1
+            return
+        expected = 0 if self.last_seq is None else self.last_seq + 1
+        if seq > expected:
+            self._recover(expected, seq, out)
+            if self.last_seq is not None and seq <= self.last_seq:
+                self.num_duplicates += 1
+                return
+        self.last_seq = seq
+        self.num_received += 1
+        batch = self._decode(frames[2])
+        if batch is None:
+            self.num_lost += 1
+            self._last_ts = None
+        else:
+            self._last_ts = batch.ts
+            out.append(ReceivedBatch(seq, batch))
+
+    def _restart(self, out: list[ReceivedBatch]) -> None:
+        logger.warning("KV event publisher %s restarted: its stream starts again", self.endpoint)
+        self.num_restarts += 1
+        self.last_seq = None
+        self._last_ts = None
+        self._suspect_restart = False
+        empty = EventBatch(time.time(), [AllBlocksCleared()], snapshot_next_seq=0)
+        out.append(ReceivedBatch(0, empty))
+
+    def _resolve_reconnect(self, out: list[ReceivedBatch]) -> None:
+        """After a disconnection the publisher may be a new one (restarted, empty), whose
+        batches published before we reconnected are gone from PUB. A snapshot settles it;
+        else the replay buffer does: the same publisher still holds our last batch (same seq,
+        same timestamp); a new one does not, so its stream is read again from 0."""
+        self._suspect_restart = False
+        self._last_live_seq = None
+        snapshot = self._request_snapshot()
+        if snapshot is not None:
+            out.append(snapshot)
+            self.last_seq = snapshot.seq - 1
+            self._last_ts = None
+            return
+        if self.last_seq is None:
+            return  # nothing applied yet: the live stream and replay from 0 tell all
+        answers = self._request_replay(self.last_seq)
+        if answers is None:
+            logger.warning("cannot tell whether %s restarted: counted as a loss", self.endpoint)
+            self.num_lost += 1
+            return
+        ours = [payload for seq, payload in answers if seq == self.last_seq]
+        last = self._decode(ours[0]) if ours else None
+        if last is not None and self._last_ts is not None and last.ts == self._last_ts:
+            self._append_replayed(answers, self.last_seq + 1, None, out)  # same publisher
+            return
+        self._restart(out)
+        self._append_replayed(self._request_replay(0) or [], 0, None, out)
+
+    def _append_replayed(
+        self,
+        answers: list[tuple[int, bytes]],
+        next_needed: int,
+        upto: int | None,
+        out: list[ReceivedBatch],
+    ) -> int:
+        """Append the consecutive replayed batches from `next_needed` (below `upto`); returns
+        the first sequence number not appended."""
+        for seq, payload in answers:
+            if seq < next_needed:
+                continue
+            if seq != next_needed or (upto is not None and seq >= upto):
+                break
+            self.last_seq = seq
+            self.num_replayed += 1
+            batch = self._decode(payload)
+            if batch is None:
+                self.num_lost += 1
+            else:
+                self._last_ts = batch.ts
+                out.append(ReceivedBatch(seq, batch, replayed=True))
+            next_needed += 1
+        return next_needed
+
+    def _decode(self, payload: bytes) -> EventBatch | None:
+        try:
+            return self._decoder.decode(payload)
+        except WireFormatError as exc:
+            self.num_malformed += 1
+            logger.warning("skipping a malformed KV event payload: %s", exc)
+            return None
+
+    def _recover(self, expected: int, upto: int, out: list[ReceivedBatch]) -> None:
+        """Fill [expected, upto) by replay, else from a snapshot, else count them missed."""
+        self.num_gaps += 1
+        if self.replay_endpoint is not None:
+            replayed = self._request_replay(expected) or []
+            next_needed = self._append_replayed(replayed, expected, upto, out)
+            if next_needed == upto:
+                return
+            snapshot = self._request_snapshot()
+            if snapshot is not None and snapshot.seq >= upto:
+                out.append(snapshot)
+                self.last_seq = snapshot.seq - 1
+                self._last_ts = None
+                return
+            expected = next_needed
+        logger.warning("KV events %d..%d are lost (no replay or snapshot)", expected, upto - 1)
+        self.num_missed += upto - expected
+        self.num_lost += upto - expected
+        self.last_seq = upto - 1
+        self._last_ts = None
+
+    def _replay_socket(self) -> Any:
+        if self._replay is None:
+            self._replay = self._context.socket(zmq.DEALER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.connect(self.replay_endpoint)
+        return self._replay
+
+    def _ask(self, request: bytes) -> list[tuple[int, bytes]] | None:
+        """Send one request on the replay socket; collect `(seq, payload)` until END_SEQ."""
+        if self.replay_endpoint is None:
+            return None
+        socket = self._replay_socket()
+        socket.send_multipart([b"", request])
+        answers: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + self.replay_timeout_s
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not socket.poll(remaining_ms):
+                # No complete answer: drop the socket so a late answer cannot be misread.
+                logger.warning("no answer from the replay endpoint %s", self.replay_endpoint)
+                socket.close(linger=0)
+                self._replay = None
+                return None
+            frames = socket.recv_multipart()
+            if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != SEQ_BYTES:
+                self.num_malformed += 1
+                continue
+            if frames[2] == END_SEQ:
+                return answers
+            answers.append((int.from_bytes(frames[2], "big"), frames[3]))
+
+    def _request_replay(self, start_seq: int) -> list[tuple[int, bytes]] | None:
+        return self._ask(start_seq.to_bytes(SEQ_BYTES, "big"))
+
+    def _request_snapshot(self) -> ReceivedBatch | None:
+        answers = self._ask(SNAPSHOT_REQUEST)
+        if not answers:
+            return None
+        seq, payload = answers[0]
+        batch = self._decode(payload)
+        if batch is None or batch.snapshot_next_seq is None:
+            return None
+        self.num_snapshots += 1
+        return ReceivedBatch(batch.snapshot_next_seq, batch, replayed=True)
