@@ -165,3 +165,30 @@ def test_retention_interval_keeps_only_reachable_states(retention, hits) -> None
     for num_tokens, num_hit_tokens in hits.items():
         assert hit(manager, make_request("b", range(num_tokens), 4))[1] == num_hit_tokens
     manager.check_invariants()
+
+
+def test_zeroing_records_new_attention_blocks() -> None:
+    """A Mamba model's new attention blocks are zeroed by the worker (vLLM 0.33 values)."""
+    from pagedkv import KVCacheConfig, KVCacheGroupSpec, KVCacheManager
+
+    groups = [KVCacheGroupSpec(("full",), full(4)), KVCacheGroupSpec(("mamba",), mamba(4))]
+    manager = KVCacheManager(
+        KVCacheConfig(40, groups, needs_kv_cache_zeroing=True), max_model_len=8192
+    )
+    a = make_request("a", range(30), 4)
+    assert allocate(manager, a, 8) == ([1, 2], [0, 3])
+    assert manager.take_new_block_ids() == [1, 2]  # attention only; Mamba states are not
+    assert manager.take_new_block_ids() == []
+    a.num_computed_tokens = 8
+    assert allocate(manager, a, 12) == ([4, 5, 6], [0, 0, 7])
+    assert manager.take_new_block_ids() == [4, 5, 6]
+    b = make_request("b", range(30), 4)
+    # An async load writes the external tokens' blocks (8-11): they are not zeroed.
+    new_blocks = manager.allocate_slots(
+        b, 4, num_external_computed_tokens=16, skip_zeroing_group_ids=(0,)
+    )
+    assert new_blocks.get_block_ids() == ([13], [14])
+    assert manager.get_block_ids("b") == ([8, 9, 10, 11, 13], [0, 0, 0, 12, 14])
+    assert manager.take_new_block_ids() == [13]
+    manager.record_blocks_for_zeroing("a", 8)  # a failed load left them unwritten
+    assert manager.take_new_block_ids() == [4, 5, 6]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Iterable, Sequence
-from itertools import repeat
 from typing import TYPE_CHECKING, Protocol
 
 from pagedkv.block import BlockHash, KVCacheBlock
@@ -39,10 +38,6 @@ def _make_blocks(num_blocks: int) -> list[KVCacheBlock]:
         if gc_was_enabled:
             gc.enable()
     return blocks
-
-
-# The block mask of dense caching: endless True, shared (a C iterator, no state to spoil).
-_ALWAYS = repeat(True)
 
 
 class BlockResidencyObserver(Protocol):
@@ -279,19 +274,30 @@ class BlockPool:
         # Hot path: zip over slices instead of indexing; one dict operation per block.
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         new_block_hashes = block_hashes[num_cached_blocks:num_full_blocks]
-        keep = block_mask if block_mask is not None else _ALWAYS
-        for block, block_hash, kept in zip(new_blocks, new_block_hashes, keep, strict=False):
-            if block is null_block or block.block_hash is not None or not kept:
-                # Null padding is never cached; a block is hashed at most once; a masked block
-                # could never serve a hit.
-                skipped.append(block)
-                continue
-            block.block_hash = block_hash
-            block.hash_group_id = kv_cache_group_id
-            if setdefault(block_hash, block) is not block:
-                self._duplicates[kv_cache_group_id].setdefault(block_hash, {})[block.block_id] = (
-                    block
-                )
+        duplicates = self._duplicates[kv_cache_group_id]
+        if block_mask is None:
+            # Hot path: dense caching (the common case) steps through no mask.
+            for block, block_hash in zip(new_blocks, new_block_hashes, strict=False):
+                if block is null_block or block.block_hash is not None:
+                    # Null padding is never cached; a block is hashed at most once.
+                    skipped.append(block)
+                    continue
+                block.block_hash = block_hash
+                block.hash_group_id = kv_cache_group_id
+                if setdefault(block_hash, block) is not block:
+                    duplicates.setdefault(block_hash, {})[block.block_id] = block
+        else:
+            for block, block_hash, kept in zip(
+                new_blocks, new_block_hashes, block_mask, strict=False
+            ):
+                if not kept or block is null_block or block.block_hash is not None:
+                    # As above; a masked block could never serve a hit.
+                    skipped.append(block)
+                    continue
+                block.block_hash = block_hash
+                block.hash_group_id = kv_cache_group_id
+                if setdefault(block_hash, block) is not block:
+                    duplicates.setdefault(block_hash, {})[block.block_id] = block
         if not emit:
             return
         # Events: the per-block lists are built only when blocks were skipped (rare).
