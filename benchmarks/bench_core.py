@@ -30,10 +30,14 @@ from pagedkv import (
 from pagedkv.hashing import BlockHasher
 
 
-def make_manager(num_blocks: int, block_size: int, max_model_len: int) -> KVCacheManager:
+def make_manager(
+    num_blocks: int, block_size: int, max_model_len: int, eviction: str | None = None
+) -> KVCacheManager:
     spec = FullAttentionSpec(block_size, 8, 128, 2)
     config = KVCacheConfig(num_blocks, [KVCacheGroupSpec(["layer0"], spec)])
-    return KVCacheManager(config, max_model_len=max_model_len)
+    if eviction is None:  # the default; also runs against trees without pagedkv.eviction
+        return KVCacheManager(config, max_model_len=max_model_len)
+    return KVCacheManager(config, max_model_len=max_model_len, eviction=eviction)
 
 
 def run_serving(
@@ -46,12 +50,13 @@ def run_serving(
     block_size: int = 16,
     batched: bool = False,
     seed: int = 0,
+    eviction: str | None = None,
 ) -> dict:
     """A minimal synchronous scheduler: decode every running request, then admit."""
     rng = random.Random(seed)
     # Slack: a preempted request re-admitted with its outputs samples one extra token.
     max_model_len = max(len(p) for p in prompts) + decode_steps + 64
-    manager = make_manager(num_blocks, block_size, max_model_len)
+    manager = make_manager(num_blocks, block_size, max_model_len, eviction)
     hasher = make_request_block_hasher(block_size)
     out_tokens = [rng.randrange(32000) for _ in range(4096)]
     timers = dict.fromkeys(("lookup", "prefill", "decode", "free", "hash"), 0.0)

@@ -32,8 +32,10 @@ LAYERS: dict[str, int] = {
     "events": 2,
     "free_queue": 2,
     "hashing": 2,
+    "retention": 2,  # per-request retention hints (plain data)
     "request": 3,
     "sizing": 4,  # model configs -> per-layer specs -> KVCacheConfig (stdlib)
+    "eviction": 6,  # eviction policies, retention levels, host tier (stdlib): the pool's order
     # the pool and what sits on it
     "block_pool": 10,
     "managers": 20,
@@ -64,7 +66,9 @@ CORE = {
     "free_queue",
     "hashing",
     "request",
+    "retention",
     "sizing",
+    "eviction",
     "block_pool",
     "managers",
     "coordinators",

@@ -39,6 +39,10 @@ STEPS_RUN = [0]
 
 
 class KVCacheMachine(RuleBasedStateMachine):
+    # The eviction policy (pagedkv.eviction.EvictionConfig); None: the reference's plain LRU.
+    # test_eviction_property.py runs this machine once per policy.
+    EVICTION = None
+
     def __init__(self) -> None:
         super().__init__()
         self.manager = make_manager(
@@ -47,6 +51,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             max_model_len=MAX_MODEL_LEN,
             enable_kv_cache_events=True,
             log_stats=True,
+            eviction=self.EVICTION,
         )
         self.ids = itertools.count()
         self.waiting: list = []  # new or preempted: hold no blocks
@@ -278,7 +283,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         free_before = self.manager.block_pool.free_block_ids()
         refs_before = [b.ref_cnt for b in self.manager.block_pool.blocks]
         self.manager.evict_blocks(block_ids)
-        assert self.manager.block_pool.free_block_ids() == free_before
+        if self.manager.block_pool.eviction_policy is None:
+            assert self.manager.block_pool.free_block_ids() == free_before
+        else:
+            # A policy moves an uncached free block to the reuse-first unhashed blocks.
+            assert sorted(self.manager.block_pool.free_block_ids()) == sorted(free_before)
         assert [b.ref_cnt for b in self.manager.block_pool.blocks] == refs_before
         for block_id in block_ids:
             assert self.manager.block_pool.blocks[block_id].block_hash is None

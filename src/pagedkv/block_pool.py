@@ -1,5 +1,6 @@
-"""Block pool: owns every block, the free queue (LRU eviction order), the prefix-cache hash map,
-the null block and the event queue. Knows nothing of requests' lifecycles or attention types.
+"""Block pool: owns every block, the free blocks (LRU order, or an eviction policy's), the
+prefix-cache hash map, the null block, the event queue and the optional host-memory tier.
+Knows nothing of requests' lifecycles or attention types.
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ from typing import TYPE_CHECKING, Protocol
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.errors import ConfigError, InvalidArgumentError, InvariantViolation
 from pagedkv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from pagedkv.free_queue import FreeKVCacheBlockQueue
+from pagedkv.eviction import (
+    DEFAULT_EVICTION,
+    EvictionConfig,
+    EvictionPolicy,
+    EvictionStats,
+    FreeBlockSet,
+    HostTier,
+    make_free_blocks,
+)
 from pagedkv.hashing import generate_block_hash_extra_keys, to_event_extra_keys
 
 if TYPE_CHECKING:
@@ -58,7 +67,8 @@ class BlockPool:
     - A block has a `block_hash` iff the hash map of `hash_group_id` lists it under that hash.
     - Free-queue order is eviction order: allocation pops the head; freed unhashed blocks go
       to the head, freed hashed blocks to the tail; a cached free block keeps its hash until it
-      is handed out again (lazy eviction).
+      is handed out again (lazy eviction). With an eviction policy (`eviction`), the policy
+      orders the cached free blocks; unhashed ones are still reused first.
     - Several blocks may share one hash (no de-duplication); lookups return the first cached.
     """
 
@@ -71,6 +81,7 @@ class BlockPool:
         enable_kv_cache_events: bool = False,
         metrics_collector: BlockResidencyObserver | None = None,
         medium: str = MEDIUM_GPU,
+        eviction: EvictionConfig | None = None,
         num_hash_lookahead_tokens: int = 0,
     ) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
@@ -93,8 +104,17 @@ class BlockPool:
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.num_kv_cache_groups = num_kv_cache_groups
         self.medium = medium
+        eviction = DEFAULT_EVICTION if eviction is None else eviction
+        if eviction.host_num_blocks and num_kv_cache_groups > 1:
+            raise ConfigError(
+                f"the host-memory tier supports one KV-cache group, not {num_kv_cache_groups}"
+            )
+        self.eviction_config = eviction
         self.blocks: list[KVCacheBlock] = _make_blocks(num_blocks)
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.free_block_queue: FreeBlockSet = make_free_blocks(eviction, self.blocks)
+        # Chosen once: None keeps the reference's free queue and every hook off.
+        policy = self.free_block_queue
+        self.eviction_policy = policy if isinstance(policy, EvictionPolicy) else None
         # Hot path: one dict per group keyed by the raw hash (no key concatenation). The first
         # block cached under a hash lives here; later duplicates wait in `_duplicates`.
         self.hash_to_block: list[dict[BlockHash, KVCacheBlock]] = [
@@ -104,6 +124,13 @@ class BlockPool:
             {} for _ in range(num_kv_cache_groups)
         ]
         self.null_block = self.free_block_queue.popleft()
+        if self.eviction_policy is not None:
+            self.eviction_policy.attach(self.hash_to_block)
+        self.host_tier = (
+            HostTier(eviction.host_num_blocks)
+            if eviction.host_num_blocks and enable_caching
+            else None
+        )
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
         self.metrics_collector = metrics_collector
@@ -146,7 +173,7 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         collector = self.metrics_collector
         if self.enable_caching:
-            if collector is None:
+            if collector is None and self.host_tier is None:
                 # Hot path: lazy eviction inlined for the common case (no metrics, no duplicate
                 # hashes in the group); anything else takes the general method.
                 hash_maps = self.hash_to_block
@@ -174,11 +201,7 @@ class BlockPool:
                     block.ref_cnt = 1
                 self.eviction_epoch += num_evicted
             else:
-                evict = self._maybe_evict_cached_block
-                for block in blocks:
-                    if block.block_hash is not None:
-                        evict(block)
-                    block.ref_cnt = 1
+                self._evict_for_reuse(blocks)
         else:
             for block in blocks:
                 block.ref_cnt = 1
@@ -187,8 +210,26 @@ class BlockPool:
                 collector.on_block_allocated(block)
         return blocks
 
+    def _evict_for_reuse(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop the cache entries of blocks popped for reuse (metrics on, or a host tier to
+        demote them to) and take a reference on each."""
+        evict = self._maybe_evict_cached_block
+        host = self.host_tier
+        events = self.kv_event_queue if self.enable_kv_cache_events else None
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is not None:
+                group_id = block.hash_group_id
+                evict(block)
+                if host is not None:
+                    host.demote(block_hash, group_id, events)
+            block.ref_cnt = 1
+
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add a reference to each block (a prefix hit), taking free ones out of the free queue."""
+        if self.eviction_policy is not None:
+            self._touch_with_policy(blocks)
+            return
         null_block = self.null_block
         remove = self.free_block_queue.remove
         for block in blocks:
@@ -197,6 +238,18 @@ class BlockPool:
             if block.ref_cnt == 0:
                 remove(block)
             block.ref_cnt += 1
+        collector = self.metrics_collector
+        if collector is not None:
+            for block in blocks:
+                if block is not null_block:
+                    collector.on_block_accessed(block)
+
+    def _touch_with_policy(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """`touch` telling the eviction policy about hits on blocks other requests hold."""
+        policy = self.eviction_policy
+        assert policy is not None
+        null_block = self.null_block
+        policy.take_hits(blocks, null_block)  # it also adds the reference to each block
         collector = self.metrics_collector
         if collector is not None:
             for block in blocks:
@@ -298,6 +351,10 @@ class BlockPool:
                 block.hash_group_id = kv_cache_group_id
                 if setdefault(block_hash, block) is not block:
                     duplicates.setdefault(block_hash, {})[block.block_id] = block
+        if self.eviction_policy is not None:
+            self.eviction_policy.on_cached(
+                request, blocks, num_cached_blocks, num_full_blocks, block_size, skipped
+            )
         if not emit:
             return
         # Events: the per-block lists are built only when blocks were skipped (rare).
@@ -319,18 +376,21 @@ class BlockPool:
                     new_indices.append(index)
         # One event per call even if every new block was null or masked (then with no hashes,
         # but the call's tokens), as the reference emits it.
-        self.kv_event_queue.append(
-            self._block_stored_event(
-                request,
-                block_hashes,
-                new_hashes,
-                new_indices,
-                num_cached_blocks,
-                num_full_blocks,
-                block_size,
-                kv_cache_group_id,
-            )
+        event = self._block_stored_event(
+            request,
+            block_hashes,
+            new_hashes,
+            new_indices,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
         )
+        policy = self.eviction_policy
+        if policy is not None and policy.retention is not None:
+            priority_of = policy.retention.priority_of
+            event.retention_priorities = [priority_of(blocks[i]) for i in new_indices]
+        self.kv_event_queue.append(event)
 
     def _block_stored_event(
         self,
@@ -443,8 +503,12 @@ class BlockPool:
                 raise InvalidArgumentError(
                     f"evict_blocks: block id {block_id!r} is not in [0, {self.num_gpu_blocks})"
                 )
+        policy = self.eviction_policy
         for block_id in ids:
-            self._maybe_evict_cached_block(self.blocks[block_id])
+            block = self.blocks[block_id]
+            if policy is not None and block.block_hash is not None:
+                policy.on_uncached(block)
+            self._maybe_evict_cached_block(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is held."""
@@ -454,6 +518,10 @@ class BlockPool:
                 "Failed to reset the prefix cache: %d blocks are still held by requests", num_used
             )
             return False
+        if self.eviction_policy is not None:
+            self.eviction_policy.reset()
+        if self.host_tier is not None:
+            self.host_tier.clear()  # AllBlocksCleared clears every medium for a consumer
         # Cleared in place: the facade and managers keep references to these dicts.
         for hash_map in self.hash_to_block:
             hash_map.clear()
@@ -489,6 +557,22 @@ class BlockPool:
             out[block_hash].extend(others)
         return out
 
+    def get_eviction_stats(self) -> EvictionStats:
+        """The eviction policy's name and the retention and host-tier counters."""
+        policy = self.eviction_policy
+        retention = policy.retention if policy is not None else None
+        host = self.host_tier
+        return EvictionStats(
+            self.eviction_config.policy,
+            retention.num_retained_blocks if retention is not None else 0,
+            retention.num_demoted_blocks if retention is not None else 0,
+            retention.num_lapsed_blocks if retention is not None else 0,
+            len(host) if host is not None else 0,
+            host.num_demoted_blocks if host is not None else 0,
+            host.num_evicted_blocks if host is not None else 0,
+            host.num_promoted_blocks if host is not None else 0,
+        )
+
     def num_cached_blocks(self) -> int:
         """Blocks currently in the prefix cache, all groups."""
         return sum(len(m) for m in self.hash_to_block) + sum(
@@ -498,6 +582,8 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Verify the pool's invariants; raise `InvariantViolation` on the first broken one."""
         self.free_block_queue.check_invariants()
+        if self.host_tier is not None:
+            self.host_tier.check_invariants()
         if self.blocks[0] is not self.null_block:
             raise InvariantViolation("block 0 is not the null block")
         null = self.null_block

@@ -37,6 +37,9 @@ class BlockStored:
     # With hash lookahead, the tokens after each block that its hash covers (one list per
     # block hash); None when lookahead hashing is off.
     lookahead_token_ids: list[list[int]] | None = None
+    # Retention priority of each block (pagedkv.retention; None unless the pool honours
+    # retention hints). In process only: the reference's wire schema has no such field.
+    retention_priorities: list[int] | None = None
 
 
 @dataclass(slots=True)

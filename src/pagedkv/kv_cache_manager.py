@@ -14,11 +14,13 @@ from pagedkv.block import KVCacheBlock
 from pagedkv.block_pool import BlockResidencyObserver
 from pagedkv.coordinators import make_coordinator
 from pagedkv.errors import (
+    ConfigError,
     InvalidArgumentError,
     InvariantViolation,
     RequestStateError,
 )
 from pagedkv.events import BlockStored, KVCacheEvent
+from pagedkv.eviction import EvictionConfig, EvictionStats, as_eviction_config
 from pagedkv.kv_cache_blocks import ComputedBlocks, DecodeSlots, KVCacheBlocks
 from pagedkv.managers import FullAttentionManager
 from pagedkv.request import Request, RequestStatus
@@ -48,6 +50,7 @@ class KVCacheManager:
         enable_kv_cache_events: bool = False,
         metrics_collector: BlockResidencyObserver | None = None,
         watermark: float = 0.0,
+        eviction: EvictionConfig | str | None = None,
         *,
         use_eagle: bool = False,
         num_prefill_lookahead: int = 0,
@@ -56,6 +59,8 @@ class KVCacheManager:
         pcp_world_size: int = 1,
     ) -> None:
         """Args (beyond the reference's first ten, which keep their order):
+        eviction: the eviction policy (a name from `pagedkv.eviction.POLICY_NAMES`) or an
+            `EvictionConfig` with retention and a host-memory tier; default plain LRU.
         use_eagle, num_prefill_lookahead, num_hash_lookahead_tokens: see `SpecDecodeConfig`.
         dcp_world_size, pcp_world_size: context parallelism; only 1 is implemented.
         """
@@ -96,11 +101,19 @@ class KVCacheManager:
             self.max_in_flight_tokens,
             metrics_collector,
             scheduler_block_size,
-            spec_decode,
+            eviction=as_eviction_config(eviction),
+            spec_decode=spec_decode,
         )
         self.spec_decode = spec_decode
         self.use_eagle = spec_decode.use_eagle
         self.block_pool = self.coordinator.block_pool
+        policy = self.block_pool.eviction_policy
+        self._retention = policy.retention if policy is not None else None
+        if self.block_pool.host_tier is not None and (
+            len(groups) != 1
+            or type(self.coordinator.single_type_managers[0]) is not (FullAttentionManager)
+        ):
+            raise ConfigError("the host-memory tier needs one full-attention KV-cache group")
         self.kv_cache_event_metadata = tuple(
             (
                 g.kv_cache_spec.kind,
@@ -145,6 +158,10 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.block_pool.get_usage()
+
+    def get_eviction_stats(self) -> EvictionStats:
+        """The eviction policy, retention and host-tier counters (`pagedkv.eviction`)."""
+        return self.block_pool.get_eviction_stats()
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """Return the stats gathered since the last call and start new ones (None if off)."""
@@ -332,6 +349,8 @@ class KVCacheManager:
                 num_external_computed_tokens,
                 skip_zeroing_group_ids,
             )
+            if self._retention is not None and request.retention is not None:
+                self._retain_hits(request, hits)
         new_blocks = coordinator.allocate_new_blocks(
             request_id, num_tokens_need_slot, num_encoder_tokens, num_tokens_main_model
         )
@@ -375,6 +394,61 @@ class KVCacheManager:
             ):
                 manager.cache_blocks(request, num_cacheable)  # type: ignore[union-attr]
         return result
+
+    def _retain_hits(self, request: Request, hits: tuple[Sequence[KVCacheBlock], ...]) -> None:
+        """Apply the request's retention hints to the prefix-cache hits it just adopted."""
+        retention = self._retention
+        assert retention is not None
+        for group, blocks in zip(self.kv_cache_config.kv_cache_groups, hits, strict=True):
+            if blocks:
+                retention.apply_hints(
+                    request, blocks, 0, len(blocks), group.kv_cache_spec.block_size, None, False
+                )
+
+    def get_num_host_hit_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens right after the first `num_computed_tokens` that the host-memory tier holds
+        (whole blocks; at most `num_tokens - 1` in all, as for device hits). Changes nothing.
+
+        Returns:
+            0 without a host tier; else pass the count to `allocate_slots` as
+            `num_external_computed_tokens`, then call `load_from_host` once it is allocated.
+        """
+        host = self.block_pool.host_tier
+        if host is None or request.skip_reading_prefix_cache:
+            return 0
+        check_count("num_computed_tokens", num_computed_tokens)
+        block_size = self.hash_block_size
+        stop = min((request.num_tokens - 1) // block_size, len(request.block_hashes))
+        start = num_computed_tokens // block_size
+        if num_computed_tokens % block_size or start > stop:
+            raise InvalidArgumentError(
+                f"num_computed_tokens={num_computed_tokens} is not a whole number of "
+                f"{block_size}-token blocks within request {request.request_id!r}'s prompt"
+            )
+        return host.count_hits(request.block_hashes, start, stop) * block_size
+
+    def load_from_host(self, request: Request, num_computed_tokens: int, num_tokens: int) -> None:
+        """Record the load of tokens `[num_computed_tokens, +num_tokens)` from the host tier
+        into the request's blocks (call after `allocate_slots` took them as external tokens):
+        the host entries become its most recently used (promotion keeps the host copy)."""
+        host = self.block_pool.host_tier
+        if host is None or num_tokens == 0:
+            return
+        block_size = self.hash_block_size
+        check_count("num_computed_tokens", num_computed_tokens)
+        check_count("num_tokens", num_tokens)
+        if (
+            num_computed_tokens % block_size
+            or num_tokens % block_size
+            or (self._requests.get(request.request_id) is not request)
+        ):
+            raise RequestStateError(
+                f"request {request.request_id!r}: load_from_host({num_computed_tokens}, "
+                f"{num_tokens}) needs whole blocks of a request holding blocks here"
+            )
+        start = num_computed_tokens // block_size
+        # Entries the allocation itself pushed out were read before their slot was reused.
+        host.promote(request.block_hashes[start : start + num_tokens // block_size])
 
     def allocate_decode_slots(self, requests: Sequence[Request], start: int = 0) -> DecodeSlots:
         """Give each running request in `requests[start:]` one more token slot, in order.

@@ -15,6 +15,7 @@ from typing import Any
 from pagedkv.block import BlockHash
 from pagedkv.errors import InvalidArgumentError, InvalidTypeError, RequestStateError
 from pagedkv.hashing import MAX_TOKEN_ID, RequestBlockHasher, pack_token_ids
+from pagedkv.retention import RetentionConfig
 
 
 class RequestStatus(enum.IntEnum):
@@ -108,6 +109,7 @@ class Request:
         "mm_hash_cursor",
         "session_id",
         "shared_prefix_boundary",
+        "retention",
         "_embeds_digests",
     )
 
@@ -126,6 +128,7 @@ class Request:
         prompt_embeds: Any = None,
         skip_reading_prefix_cache: bool = False,
         session_id: str | None = None,
+        retention: RetentionConfig | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgumentError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -162,6 +165,12 @@ class Request:
         # Token position of a prefix shared with other requests that a sparse-retention group
         # must keep cached (set by the scheduler from `get_computed_blocks`); 0 if none.
         self.shared_prefix_boundary = 0
+        if retention is not None and not isinstance(retention, RetentionConfig):
+            raise InvalidTypeError(
+                f"request {request_id!r}: retention must be a RetentionConfig, got {retention!r}"
+            )
+        # Retention hints, honoured by a manager built with retention on (see pagedkv.eviction).
+        self.retention = retention
         self.has_extra_keys = bool(
             lora_request is not None or cache_salt or features or prompt_embeds is not None
         )
@@ -215,6 +224,7 @@ class Request:
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.session_id = session_id
         self.shared_prefix_boundary = 0
+        self.retention = None
         self.has_extra_keys = bool(
             lora_request is not None or cache_salt or mm_features or prompt_embeds is not None
         )

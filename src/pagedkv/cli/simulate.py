@@ -12,7 +12,7 @@ import time
 import warnings
 from typing import Any
 
-from pagedkv.cli import _cluster
+from pagedkv.cli import _cluster, _eviction
 
 COMMAND = "simulate"
 HELP = "Simulate a request trace: prefix-cache hit rate, memory, preemptions, latency."
@@ -173,6 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     output.add_argument("--no-progress", action="store_true", help="never show a progress bar")
     _cluster.add_arguments(parser)
+    _eviction.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,6 +210,9 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.model and _cluster.wanted(args):
         raise _error("--model is not supported with a cluster (--instances) yet")
+    _eviction.check(args, _error)
+    if _eviction.wanted(args) and _cluster.wanted(args):
+        raise _error("--eviction and --host-capacity are not supported with a cluster yet")
     trace = _load(args)
     show_progress = not (args.json or args.no_progress) and sys.stderr.isatty()
     if _cluster.wanted(args):
@@ -216,7 +220,11 @@ def _run(args: argparse.Namespace) -> int:
         return _cluster.run(
             args, trace, config, profile_name, lambda n, label: _Progress(n, label, show_progress)
         )
-    if args.mode == "replay":
+    if args.mode == "replay" and _eviction.wanted(args):
+        the_report, speed, plot = _eviction.replay(
+            args, trace, lambda n, label: _Progress(n, label, show_progress)
+        )
+    elif args.mode == "replay":
         the_report, speed, plot = _replay(args, trace, show_progress)
     else:
         the_report, speed, plot = _serve(args, trace, cost_model, show_progress)
@@ -389,6 +397,7 @@ def _serve_config(args: argparse.Namespace, cost_model: Any) -> tuple[Any, str |
         watermark=args.watermark,
         hash_algorithm=args.hash_algorithm,
         kv_cache_config=kv_cache_config,
+        **_eviction.serve_options(args, profile),
     )
     return config, profile.name if not args.cost else None
 

@@ -16,6 +16,7 @@ from pagedkv.coordinators.base import (
     UnitaryKVCacheCoordinator,
 )
 from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator, SpecBucket
+from pagedkv.eviction import EvictionConfig
 from pagedkv.specs import KVCacheConfig, SpecDecodeConfig
 
 
@@ -28,6 +29,7 @@ def make_coordinator(
     max_in_flight_tokens: int | None = None,
     metrics_collector: BlockResidencyObserver | None = None,
     scheduler_block_size: int | None = None,
+    eviction: EvictionConfig | None = None,
     spec_decode: SpecDecodeConfig = NO_SPEC_DECODE,
 ) -> KVCacheCoordinator:
     """Pick the coordinator once: no caching, one group, or a hybrid of several groups."""
@@ -42,12 +44,15 @@ def make_coordinator(
     )
     num_groups = len(kv_cache_config.kv_cache_groups)
     if not enable_caching or num_groups == 0:
-        return KVCacheCoordinatorNoPrefixCache(*args, spec_decode=spec_decode)
+        return KVCacheCoordinatorNoPrefixCache(*args, eviction=eviction, spec_decode=spec_decode)
     if num_groups == 1:
-        return UnitaryKVCacheCoordinator(*args, spec_decode=spec_decode)
+        return UnitaryKVCacheCoordinator(*args, eviction=eviction, spec_decode=spec_decode)
 
     return HybridKVCacheCoordinator(
-        *args, scheduler_block_size=scheduler_block_size, spec_decode=spec_decode
+        *args,
+        scheduler_block_size=scheduler_block_size,
+        eviction=eviction,
+        spec_decode=spec_decode,
     )
 
 

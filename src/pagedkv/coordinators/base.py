@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockPool, BlockResidencyObserver
 from pagedkv.errors import ConfigError, InvalidArgumentError, InvariantViolation
+from pagedkv.eviction import EvictionConfig
 from pagedkv.managers import (
     ChunkedLocalAttentionManager,
     SingleTypeKVCacheManager,
@@ -66,6 +67,7 @@ class KVCacheCoordinator:
         max_in_flight_tokens: int | None = None,
         metrics_collector: BlockResidencyObserver | None = None,
         alignment_tokens: int | None = None,
+        eviction: EvictionConfig | None = None,
         spec_decode: SpecDecodeConfig = NO_SPEC_DECODE,
     ) -> None:
         self.kv_cache_config = kv_cache_config
@@ -82,6 +84,7 @@ class KVCacheCoordinator:
             num_kv_cache_groups=max(len(groups), 1),
             enable_kv_cache_events=enable_kv_cache_events,
             metrics_collector=metrics_collector,
+            eviction=eviction,
             num_hash_lookahead_tokens=spec_decode.num_hash_lookahead_tokens,
         )
         in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens

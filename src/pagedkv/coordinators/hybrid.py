@@ -16,6 +16,7 @@ from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockResidencyObserver
 from pagedkv.coordinators.base import NO_SPEC_DECODE, KVCacheCoordinator
 from pagedkv.errors import ConfigError, InvariantViolation
+from pagedkv.eviction import EvictionConfig
 from pagedkv.managers import FullAttentionManager, MambaManager, SingleTypeKVCacheManager
 from pagedkv.specs import CrossAttentionSpec, KVCacheConfig, KVCacheSpec, SpecDecodeConfig, cdiv
 
@@ -56,6 +57,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         max_in_flight_tokens: int | None = None,
         metrics_collector: BlockResidencyObserver | None = None,
         scheduler_block_size: int | None = None,
+        eviction: EvictionConfig | None = None,
         spec_decode: SpecDecodeConfig = NO_SPEC_DECODE,
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
@@ -88,6 +90,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             max_in_flight_tokens,
             metrics_collector,
             alignment_tokens=self.scheduler_block_size,
+            eviction=eviction,
             spec_decode=spec_decode,
         )
         self.spec_buckets = self._make_buckets()

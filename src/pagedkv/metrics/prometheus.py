@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.errors import InvalidArgumentError, MissingDependencyError
+from pagedkv.eviction import EvictionStats
 from pagedkv.metrics.residency import KVCacheEvictionEvent
 from pagedkv.stats import PrefixCacheStats
 
@@ -44,6 +45,10 @@ METRIC_NAMES = (
     "pagedkv:kv_block_lifetime_seconds",
     "pagedkv:kv_block_idle_before_evict_seconds",
     "pagedkv:kv_block_reuse_gap_seconds",
+    "pagedkv:kv_retained_blocks",
+    "pagedkv:kv_retention_demotions",
+    "pagedkv:kv_host_cached_blocks",
+    "pagedkv:kv_host_loaded_blocks",
 )
 """Names as registered (Prometheus exposes counters with a `_total` suffix)."""
 
@@ -119,6 +124,45 @@ class KVCacheMetrics:
             buckets=buckets,
             registry=reg,
         )
+        self.retained_blocks = gauge(
+            PREFIX + "kv_retained_blocks",
+            "Cached blocks holding a raised retention priority (pagedkv.retention).",
+            labels,
+            registry=reg,
+        )
+        self.retention_demotions = counter(
+            PREFIX + "kv_retention_demotions",
+            "Retention priority raises refused by the cap (the block kept the default).",
+            labels,
+            registry=reg,
+        )
+        self.host_cached_blocks = gauge(
+            PREFIX + "kv_host_cached_blocks",
+            "Blocks held by the host-memory tier.",
+            labels,
+            registry=reg,
+        )
+        self.host_loaded_blocks = counter(
+            PREFIX + "kv_host_loaded_blocks",
+            "Blocks loaded back from the host-memory tier (host hits).",
+            labels,
+            registry=reg,
+        )
+        self._last_eviction_stats: dict[str, EvictionStats] = {}
+
+    def observe_eviction(self, stats: EvictionStats, *, engine: str = "0") -> None:
+        """Record an engine's eviction state (`manager.get_eviction_stats()`): gauges as they
+        are, counters by what grew since the last call for this engine."""
+        last = self._last_eviction_stats.get(engine, EvictionStats(stats.policy))
+        self.retained_blocks.labels(engine).set(stats.num_retained_blocks)
+        self.host_cached_blocks.labels(engine).set(stats.num_host_blocks)
+        self.retention_demotions.labels(engine).inc(
+            max(0, stats.num_retention_demotions - last.num_retention_demotions)
+        )
+        self.host_loaded_blocks.labels(engine).inc(
+            max(0, stats.num_host_loads - last.num_host_loads)
+        )
+        self._last_eviction_stats[engine] = stats
 
     def observe(
         self,
@@ -178,6 +222,7 @@ class KVCacheMetrics:
         if collector is not None:
             allocated, evicted = collector.take_block_counts()
             events = collector.drain_events()
+        self.observe_eviction(manager.get_eviction_stats(), engine=engine)
         self.observe(
             engine=engine,
             usage=manager.usage,

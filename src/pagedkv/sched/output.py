@@ -88,6 +88,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_request_ids: list[str]
     num_scheduled_tokens_total: int
+    # (request id, tokens) of loads from the host-memory tier started this step: the request
+    # waits (holding its blocks) until the caller reports the load done (`complete_kv_loads`).
+    kv_loads_started: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

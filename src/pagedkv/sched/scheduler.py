@@ -16,6 +16,7 @@ from pagedkv.errors import (
     InvariantViolation,
     RequestStateError,
 )
+from pagedkv.kv_cache_blocks import ComputedBlocks
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request, RequestStatus
 from pagedkv.sched.config import SchedulerConfig
@@ -33,9 +34,11 @@ class Scheduler:
     the step its prompt completes and in every decode step after.
 
     Invariants (`check_invariants`): every unfinished request is in exactly one of `running`
-    (status RUNNING, holding blocks) and `waiting` (WAITING or PREEMPTED, no computed tokens,
-    no blocks); `len(running) <= max_num_seqs`; each step schedules at most
-    `max_num_batched_tokens` tokens and at most `max_num_seqs` requests.
+    (status RUNNING, holding blocks), `waiting` (WAITING or PREEMPTED, no computed tokens,
+    no blocks) and `loading` (its prefix is being loaded from the manager's host-memory tier:
+    it holds blocks, as vLLM's WAITING_FOR_REMOTE_KVS); `len(running) + len(loading) <=
+    max_num_seqs`; each step schedules at most `max_num_batched_tokens` tokens and at most
+    `max_num_seqs` requests.
     """
 
     def __init__(
@@ -69,10 +72,14 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting = self.policy.make_waiting_queue()
         self.running: list[Request] = []
+        # Requests waiting for a host-tier load: id -> (request, computed tokens once loaded).
+        self.loading: dict[str, tuple[Request, int]] = {}
+        self._host_tier = kv_cache_manager.block_pool.host_tier is not None
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.step_records: list[StepRecord] = []
         self._stop_token_ids = frozenset(config.stop_token_ids)
         self._pending: SchedulerOutput | None = None
+        self._kv_loads_started: list[tuple[str, int]] = []
         self._next_step_index = 0
 
     # ------------------------------------------------------------------ requests
@@ -113,7 +120,9 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        if request.status == _RUNNING:
+        if request_id in self.loading:
+            del self.loading[request_id]
+        elif request.status == _RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
@@ -141,6 +150,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self._kv_loads_started = []
         budget = self._schedule_running(scheduled, preempted, budget)
         num_admitted = num_hit_tokens = 0
         if not preempted:
@@ -150,6 +160,7 @@ class Scheduler:
             scheduled,
             preempted,
             self.config.max_num_batched_tokens - budget,
+            self._kv_loads_started,
         )
         self.step_records.append(self._make_record(output, num_admitted, num_hit_tokens))
         self._next_step_index += 1
@@ -213,12 +224,19 @@ class Scheduler:
         running = self.running
         threshold = config.long_prefill_token_threshold
         num_admitted = num_hit_tokens = 0
-        while len(waiting) and budget > 0 and len(running) < config.max_num_seqs:
+        loading = self.loading
+        while len(waiting) and budget > 0 and len(running) + len(loading) < config.max_num_seqs:
             request = waiting.peek()
             hit = manager.get_computed_blocks(request)
             num_hit = hit.num_computed_tokens
             # As vLLM's scheduler: sparse retention keeps the cached state at this junction.
             request.shared_prefix_boundary = hit.shared_prefix_boundary
+            if self._host_tier:
+                num_host = manager.get_num_host_hit_tokens(request, num_hit)
+                if num_host:
+                    if not self._start_host_load(request, hit, num_host, scheduled):
+                        break
+                    continue
             num_new = request.num_tokens - num_hit
             if threshold and num_new > threshold:
                 num_new = threshold
@@ -247,6 +265,45 @@ class Scheduler:
             num_admitted += 1
             num_hit_tokens += num_hit
         return num_admitted, num_hit_tokens, budget
+
+    def _start_host_load(
+        self, request: Request, hit: ComputedBlocks, num_host: int, scheduled: list
+    ) -> bool:
+        """Admit a request whose prefix continues in the host tier: allocate blocks for the
+        device hit and the host blocks (no compute this step) and start the load."""
+        manager = self.kv_cache_manager
+        num_hit = hit.num_computed_tokens
+        new_blocks = manager.allocate_slots(
+            request,
+            0,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=hit.blocks,
+            num_external_computed_tokens=num_host,
+            delay_cache_blocks=True,  # cached once loaded, as vLLM does
+            full_sequence_must_fit=self.config.reserve_full_prompt,
+            has_scheduled_reqs=bool(self.running or scheduled),
+        )
+        if new_blocks is None:
+            return False
+        self.waiting.pop()
+        manager.load_from_host(request, num_hit, num_host)
+        manager.record_prefix_cache_stats(request, num_hit)
+        self.loading[request.request_id] = (request, num_hit + num_host)
+        self._kv_loads_started.append((request.request_id, num_host))
+        return True
+
+    def complete_kv_loads(self, request_ids: Sequence[str]) -> None:
+        """The host-tier loads of these requests are done: cache the loaded blocks and run
+        them (their prefill continues from the loaded tokens in the next step)."""
+        for request_id in request_ids:
+            entry = self.loading.pop(request_id, None)
+            if entry is None:
+                raise RequestStateError(f"request {request_id!r} has no KV load in flight")
+            request, num_computed = entry
+            request.num_computed_tokens = num_computed
+            self.kv_cache_manager.cache_blocks(request, num_computed)
+            request.status = _RUNNING
+            self.running.append(request)
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: free every block; the cached prefix usually survives."""
@@ -399,9 +456,17 @@ class Scheduler:
         both = set(running_ids) & set(waiting_ids)
         if both:
             raise InvariantViolation(f"requests {sorted(both)!r} are both running and waiting")
-        if set(running_ids) | set(waiting_ids) != set(self.requests):
+        if set(running_ids) & set(self.loading) or set(waiting_ids) & set(self.loading):
+            raise InvariantViolation("a loading request is also running or waiting")
+        if set(running_ids) | set(waiting_ids) | set(self.loading) != set(self.requests):
             raise InvariantViolation("the queues do not hold exactly the unfinished requests")
-        if len(self.running) > config.max_num_seqs:
+        for request, _ in self.loading.values():
+            if not any(
+                manager_blocks
+                for manager_blocks in self.kv_cache_manager.get_block_ids(request.request_id)
+            ):
+                raise InvariantViolation(f"loading request {request.request_id!r} holds no blocks")
+        if len(self.running) + len(self.loading) > config.max_num_seqs:
             raise InvariantViolation(
                 f"{len(self.running)} running requests exceed max_num_seqs {config.max_num_seqs}"
             )

@@ -81,6 +81,8 @@ class HardwareProfile:
     bandwidth_efficiency: float = 0.8
     gpu_memory_utilization: float = 0.9
     activation_reserve_bytes_per_gpu: float = 2e9
+    # Host link per GPU, one direction (datasheet; PCIe Gen5 x16 64 GB/s, Gen4 x16 32 GB/s).
+    pcie_bytes_per_s_per_gpu: float = 64e9
 
     @property
     def weight_bytes(self) -> float:
@@ -104,6 +106,13 @@ class HardwareProfile:
         """Memory left for the KV cache: utilised memory minus activations and weights."""
         per_gpu = self.memory_bytes_per_gpu * self.gpu_memory_utilization
         return self.num_gpus * (per_gpu - self.activation_reserve_bytes_per_gpu) - self.weight_bytes
+
+    @property
+    def host_load_s_per_token(self) -> float:
+        """Seconds to load one token's KV from host memory: every GPU loads its shard over
+        its own link, at the assumed `bandwidth_efficiency` of the link's peak."""
+        link_bytes_per_s = self.num_gpus * self.pcie_bytes_per_s_per_gpu * self.bandwidth_efficiency
+        return self.kv_bytes_per_token / link_bytes_per_s
 
     def num_kv_blocks(self, block_size: int) -> int:
         """Usable blocks of `block_size` tokens that fit in `kv_cache_bytes`."""
@@ -138,6 +147,7 @@ _A100: dict[str, Any] = {
     "peak_flops_per_gpu": 312e12,
     "hbm_bytes_per_s_per_gpu": 2.039e12,
     "memory_bytes_per_gpu": 80e9,
+    "pcie_bytes_per_s_per_gpu": 32e9,  # PCIe Gen4 x16
 }
 # Model shapes from the published configs (params, layers, attention heads, KV heads, head size).
 _LLAMA_8B: dict[str, Any] = {

@@ -130,9 +130,21 @@ def serve_report(
             "watermark": config.watermark,
             "hash_algorithm": config.hash_algorithm,
             "scheduler": scheduler,
+            **_eviction_config(config),
         },
         "offered_prompt_tokens_per_s": float(f"{offered:.6g}"),
         "results": result.summary,
+    }
+
+
+def _eviction_config(config: ServeConfig) -> dict[str, Any]:
+    """The eviction settings, only when not the default (older reports stay byte-identical)."""
+    if config.eviction == "lru" and not config.host_num_blocks:
+        return {}
+    return {
+        "eviction": config.eviction,
+        "host_num_blocks": config.host_num_blocks,
+        "host_load_s_per_token": config.host_load_s_per_token,
     }
 
 
@@ -153,7 +165,11 @@ def _rows(
         f"requests, {trace['num_prompt_tokens']:,} prompt tokens over {trace['duration_s']:,.0f} s"
     )
     notes: list[tuple[str, str]] = []
-    if report["mode"] == "replay":
+    if report["mode"] == "replay" and "policies" in report["config"]:
+        from pagedkv.sim.eviction_report import eviction_rows
+
+        header, rows = eviction_rows(report, notes)
+    elif report["mode"] == "replay":
         header = ["capacity (blocks)", "capacity (tokens)", "hit rate", "hit tokens", "not fit"]
         rows = [
             [
@@ -265,6 +281,21 @@ def _serve_rows(
             ),
         ]
     )
+    if "eviction" in config:
+        host = results.get("host_tier")
+        notes.append(
+            (
+                "eviction",
+                f"{config['eviction']}"
+                + (
+                    f"; host tier {config['host_num_blocks']:,} blocks: {host['num_loads']:,} "
+                    f"loads, {host['loaded_tokens']:,} tokens "
+                    f"({100 * host['loaded_token_rate']:.2f} % of prompt tokens)"
+                    if host
+                    else ""
+                ),
+            )
+        )
     served = throughput["prompt_tokens_per_s"]
     offered = report["offered_prompt_tokens_per_s"]
     if served > 0 and offered > 1.2 * served:

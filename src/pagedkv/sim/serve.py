@@ -7,6 +7,7 @@ depends only on the inputs, never on the machine running it.
 
 from __future__ import annotations
 
+import heapq
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.errors import ConfigError, InvariantViolation
+from pagedkv.eviction import ONLINE_POLICY_NAMES, EvictionConfig
 from pagedkv.hashing import make_request_block_hasher
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request
@@ -47,6 +49,10 @@ class ServeConfig:
     its pool must hold `num_blocks + 1` blocks, requests are hashed at the manager's
     `hash_block_size` (the gcd of the group block sizes), and the manager bounds each request's
     in-flight tokens by `scheduler.max_num_batched_tokens`, as the sizing did.
+    `eviction`: the pool's eviction policy (an online one). `host_num_blocks`: a host-memory
+    tier of that many blocks (0: none); a request whose prefix continues there waits, holding
+    its blocks, `host_load_s_per_token` per loaded token (the profile's PCIe link) before its
+    prefill goes on, as vLLM's asynchronous KV loading does.
     """
 
     num_blocks: int
@@ -62,8 +68,25 @@ class ServeConfig:
     num_timeline_points: int = 120
     enable_kv_cache_events: bool = False
     kv_cache_config: KVCacheConfig | None = None
+    eviction: str = "lru"
+    host_num_blocks: int = 0
+    host_load_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.eviction not in ONLINE_POLICY_NAMES:
+            raise ConfigError(
+                f"serve mode takes one online eviction policy ({', '.join(ONLINE_POLICY_NAMES)}), "
+                f"got {self.eviction!r}"
+                + (
+                    ": belady needs the future, so it runs in replay mode only"
+                    if self.eviction == "belady"
+                    else ""
+                )
+            )
+        if type(self.host_num_blocks) is not int or self.host_num_blocks < 0:
+            raise ConfigError(f"host_num_blocks={self.host_num_blocks!r} must be an int >= 0")
+        if not self.host_load_s_per_token >= 0:
+            raise ConfigError(f"host_load_s_per_token={self.host_load_s_per_token!r} must be >= 0")
         if self.kv_cache_config is not None and (
             self.kv_cache_config.num_blocks != self.num_blocks + 1
         ):
@@ -119,6 +142,11 @@ class ServeRun:
             log_stats=True,
             enable_kv_cache_events=config.enable_kv_cache_events,
             watermark=config.watermark,
+            eviction=EvictionConfig(
+                policy=config.eviction,
+                host_num_blocks=config.host_num_blocks,
+                clock=self.clock,
+            ),
         )
         self.scheduler = Scheduler(self.manager, config.scheduler, POLICIES[config.policy]())
         self.hasher = (
@@ -140,6 +168,13 @@ class ServeRun:
         self.preempted_ids: set[str] = set()
         self.area = {"usage": 0.0, "running": 0.0, "waiting": 0.0}
         self.peak = {"usage": 0.0, "running": 0, "waiting": 0}
+        # Host-tier loads in flight: (done at, request id), and their totals.
+        self.kv_loads: list[tuple[float, str]] = []
+        self.num_kv_loads = self.num_loaded_tokens = 0
+
+    def clock(self) -> float:
+        """The simulated time (the eviction policy's clock, for retention durations)."""
+        return self.now
 
     @property
     def num_done(self) -> int:
@@ -156,8 +191,39 @@ class ServeRun:
                 if progress is not None:
                     progress(self.num_done)
                 continue
+            self.complete_kv_loads()
             if self.step() and progress is not None:
                 progress(self.num_done)
+
+    def complete_kv_loads(self) -> None:
+        """Hand the scheduler every host-tier load done by now."""
+        loads = self.kv_loads
+        done = []
+        while loads and loads[0][0] <= self.now:
+            done.append(heapq.heappop(loads)[1])
+        if done:
+            self.scheduler.complete_kv_loads(done)
+
+    def start_kv_loads(self, started: list[tuple[str, int]]) -> None:
+        """Loads begin with the step that admitted them and overlap its compute."""
+        for request_id, num_tokens in started:
+            done_s = self.now + num_tokens * self.config.host_load_s_per_token
+            heapq.heappush(self.kv_loads, (done_s, request_id))
+            self.num_kv_loads += 1
+            self.num_loaded_tokens += num_tokens
+
+    def wait_for_kv_loads(self, output: Any) -> None:
+        """A step that only started loads (or found nothing to run while loads are in flight):
+        nothing is computed; the clock moves to the next load's end or the next arrival."""
+        self.scheduler.update_from_output(output, {})
+        self.scheduler.step_records.clear()
+        self.start_kv_loads(output.kv_loads_started)
+        if not self.kv_loads:
+            raise InvariantViolation(f"step {output.step_index} scheduled nothing")
+        next_s = self.kv_loads[0][0]
+        if self.next_index < len(self.requests):
+            next_s = min(next_s, self.arrivals[self.next_index])
+        self.now = max(self.now, next_s)
 
     def admit_arrivals(self) -> None:
         """Add every request that has arrived by now (reject prompts with no room to answer)."""
@@ -194,7 +260,9 @@ class ServeRun:
         output = scheduler.schedule()
         record = scheduler.step_records[-1]
         if not output.scheduled:
-            raise InvariantViolation(f"step {output.step_index} scheduled nothing")
+            self.wait_for_kv_loads(output)
+            return 0
+        self.start_kv_loads(output.kv_loads_started)
         self.account_step(record, self.config.cost_model.step_time_s(record))
         now = self.now
         timings = self.timings
@@ -252,7 +320,7 @@ class ServeRun:
         assert stats is not None  # the manager logs stats
         totals, area, peak = self.totals, self.area, self.peak
         makespan_s = self.now - self.start_s
-        return {
+        summary = {
             "num_requests_completed": totals["completed"],
             "num_requests_rejected": totals["rejected"],
             "num_steps": totals["steps"],
@@ -298,6 +366,18 @@ class ServeRun:
                 self.result, self.start_s, self.now, self.config.num_timeline_points
             ),
         }
+        if self.config.host_num_blocks:
+            eviction = self.manager.get_eviction_stats()
+            summary["host_tier"] = {
+                "num_loads": self.num_kv_loads,
+                "loaded_tokens": self.num_loaded_tokens,
+                "loaded_token_rate": round_sig6(
+                    self.num_loaded_tokens / stats.queries if stats.queries else 0.0
+                ),
+                "num_demoted_blocks": eviction.num_host_demotions,
+                "num_evicted_blocks": eviction.num_host_evictions,
+            }
+        return summary
 
 
 _TOTALS = (
