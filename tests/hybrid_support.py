@@ -33,8 +33,8 @@ def chunked(block_size: int, chunk: int) -> ChunkedLocalAttentionSpec:
     return ChunkedLocalAttentionSpec(block_size, 1, 8, 2, attention_chunk_size=chunk)
 
 
-def mamba(block_size: int) -> MambaSpec:
-    return MambaSpec(block_size, ((4, 8), (8, 16)), 2)
+def mamba(block_size: int, mamba_cache_mode: str = "align") -> MambaSpec:
+    return MambaSpec(block_size, ((4, 8), (8, 16)), 2, mamba_cache_mode=mamba_cache_mode)
 
 
 def cross(block_size: int) -> CrossAttentionSpec:

@@ -396,7 +396,7 @@ def test_block_stored_event_fields():
             lora_id=None,
             medium="GPU",
             lora_name=None,
-            extra_keys=None,
+            extra_keys=[None],  # one entry per block, as vLLM 0.33
             group_idx=0,
             session_id="s1",
         ),
@@ -408,7 +408,7 @@ def test_block_stored_event_fields():
             lora_id=None,
             medium="GPU",
             lora_name=None,
-            extra_keys=None,
+            extra_keys=[None, None],
             group_idx=0,
             session_id="s1",
         ),

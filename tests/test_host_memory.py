@@ -14,12 +14,13 @@ from conftest import full_config
 
 from pagedkv import (
     BlockPool,
-    ConfigError,
     HostMemoryError,
     KVCacheConfig,
     KVCacheManager,
     PagedKVError,
+    Request,
     host_memory,
+    make_request_block_hasher,
 )
 from pagedkv.host_memory import (
     BYTES_PER_BLOCK,
@@ -148,8 +149,14 @@ def test_available_memory_respects_ulimit_v():
     assert result.stdout.startswith("a pool of 10,000,000 blocks needs an estimated 2.6 GiB")
 
 
-def test_a_manager_without_groups_is_refused_at_construction():
-    # Sizing describes an attention-free model with no groups; a manager for it is an error
-    # now, not a misleading one at the first allocation.
-    with pytest.raises(ConfigError, match="no KV-cache groups.*at least one KVCacheGroupSpec"):
-        KVCacheManager(KVCacheConfig(num_blocks=10, kv_cache_groups=[]), max_model_len=100)
+def test_a_manager_without_groups_manages_nothing_as_the_reference():
+    # An attention-free model keeps no KV cache: vLLM still builds its manager (with the
+    # no-prefix-cache coordinator) and every request gets empty tables; the drop-in must too.
+    manager = KVCacheManager(KVCacheConfig(num_blocks=10, kv_cache_groups=[]), max_model_len=100)
+    hasher = make_request_block_hasher(manager.hash_block_size)
+    request = Request("a", [1, 2, 3], block_hasher=hasher)
+    assert manager.get_computed_blocks(request).num_computed_tokens == 0
+    assert manager.allocate_slots(request, 3).blocks == ()
+    assert manager.get_block_ids("a") == ()
+    manager.free(request)
+    assert manager.usage == 0.0

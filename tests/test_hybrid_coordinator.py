@@ -169,21 +169,38 @@ def test_full_attention_plus_chunked_local() -> None:
 # ---------------------------------------------------------------- the fixed point
 
 
+def seed(manager, request, num_tokens: int, chunk: int = 4) -> list:
+    """Prefill a request `chunk` tokens a step, as vLLM's scheduler splits for Mamba "align"
+    (so every block boundary's state is cached); returns each step's new block ids."""
+    new_ids = []
+    while request.num_computed_tokens < num_tokens:
+        num_new = min(chunk, num_tokens - request.num_computed_tokens)
+        new_ids.append(manager.allocate_slots(request, num_new).get_block_ids())
+        request.num_computed_tokens += num_new
+        manager.new_step_starts()
+    return new_ids
+
+
 def test_fixed_point_over_two_non_full_buckets() -> None:
-    """Window and Mamba shrink each other's candidate twice before agreeing on 8 tokens."""
+    """Window and Mamba shrink each other's candidate twice before agreeing on 8 tokens.
+
+    Expected values: vLLM 0.33's own manager, same calls."""
     manager = make_manager(40, swa(4, 8), mamba(4))
     prompt = list(range(30))
     first = make_request("a", prompt, 4)
-    assert admit(manager, first)[1].get_block_ids() == (
-        [1, 2, 3, 4, 5, 6, 7, 8],
-        [9, 10, 11, 12, 13, 14, 15, 16],
-    )
+    assert seed(manager, first, 28) == [([2 * i + 1], [2 * i + 2]) for i in range(7)]
+    assert manager.get_block_ids("a") == ([0, 0, 0, 0, 9, 11, 13], [0, 0, 0, 0, 0, 12, 14])
     manager.free(first)
-    manager.new_step_starts()
-    manager.evict_blocks({3, 9, 11, 13, 14, 15})  # window position 2; Mamba 0, 2, 4, 5, 6
+    second = make_request("b", prompt, 4)
+    assert hit_ids(manager, second) == (([0, 0, 0, 0, 0, 11, 13], [0] * 6 + [14]), 28)
+    manager.evict_blocks({5, 2, 6, 10, 12, 14})  # window position 2; Mamba 0, 2, 4, 5, 6
     # Window at 29 -> 28; Mamba at 28 -> 16 (position 3); window at 16 -> 8 (the window
     # [2, 4) misses, [0, 2) hits); Mamba at 8 -> 8 (position 1): both agree.
-    assert hit_ids(manager, make_request("b", prompt, 4)) == (([1, 2], [0, 10]), 8)
+    assert hit_ids(manager, second) == (([1, 3], [0, 4]), 8)
+    hits, num_hit_tokens, _ = manager.get_computed_blocks(second)
+    new_blocks = manager.allocate_slots(second, 22, num_hit_tokens, hits)
+    assert new_blocks.get_block_ids() == ([15, 16, 17, 18, 19, 20], [0, 0, 0, 0, 0, 21])
+    manager.check_invariants()
 
 
 # ---------------------------------------------------------------- adoption
@@ -193,7 +210,10 @@ def test_all_groups_touch_their_hits_before_any_group_allocates(monkeypatch) -> 
     manager = make_manager(40, full(4), swa(4, 8), mamba(4))
     prompt = list(range(17))
     first = make_request("a", prompt, 4)
-    admit(manager, first)
+    seed(manager, first, 16)
+    first.append_output_token_ids(99)
+    assert manager.allocate_slots(first, 1).get_block_ids() == ([13], [14], [15])
+    first.num_computed_tokens = 17
     manager.free(first)
     manager.new_step_starts()
     pool = manager.block_pool
@@ -212,12 +232,12 @@ def test_all_groups_touch_their_hits_before_any_group_allocates(monkeypatch) -> 
     monkeypatch.setattr(pool, "get_new_blocks", recording_get_new_blocks)
     second = make_request("b", prompt, 4)
     num_hit, new_blocks = admit(manager, second)
-    assert num_hit == 16
+    assert num_hit == 16 and new_blocks.get_block_ids() == ([15], [14], [13])
     assert calls == ["touch", "touch", "touch", "new", "new", "new"]
     assert manager.get_block_ids("b") == (
-        [1, 2, 3, 4, 15],
-        [0, 0, 8, 9, 10],
-        [0, 0, 0, 14, 5],
+        [1, 4, 7, 10, 15],
+        [0, 0, 8, 11, 14],
+        [0, 0, 0, 12, 13],
     )
     manager.check_invariants()
 

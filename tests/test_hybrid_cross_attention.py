@@ -56,7 +56,7 @@ def test_cross_attention_alone_refuses_a_lookup() -> None:
 def test_hit_blocks_are_rejected() -> None:
     pool = BlockPool(8, hash_block_size=4)
     manager = CrossAttentionManager(cross(4), pool, 0, enable_caching=False)
-    manager.add_local_computed_blocks("a", [], 0)  # nothing to adopt is fine
+    manager.add_local_computed_blocks("a", [], 0, 0)  # nothing to adopt is fine
     with pytest.raises(ConfigError, match="1 prefix-hit blocks"):
-        manager.add_local_computed_blocks("b", [pool.blocks[1]], 4)
+        manager.add_local_computed_blocks("b", [pool.blocks[1]], 4, 0)
     assert "b" not in manager.req_to_blocks and pool.blocks[1].ref_cnt == 0

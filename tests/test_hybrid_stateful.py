@@ -1,6 +1,6 @@
 """Random lookups, admissions, chunked prefills, decodes, frees, preemptions, evictions and
-resets on a hybrid model (full attention + sliding window + Mamba, three block sizes' worth of
-alignment), with every invariant checked after each step."""
+resets on a hybrid model (full attention + sliding window + Mamba "align", three block sizes'
+worth of alignment), with every invariant checked after each step."""
 
 from __future__ import annotations
 
@@ -63,8 +63,6 @@ class HybridMachine(RuleBasedStateMachine):
             assert all(b.is_null for b in mamba_hits[:-1])
             state = mamba_hits[-1]
             assert state.block_hash == hashes[2 * len(mamba_hits) - 1]
-            cached_now = manager.coordinator.single_type_managers[2].block_ids_cached_this_step
-            assert state.block_id not in cached_now
         return hit_blocks, num_hit
 
     def _admit(self, request: Request, chunk: int) -> bool:
@@ -182,9 +180,10 @@ class HybridMachine(RuleBasedStateMachine):
                 assert len(table) == cdiv(request.num_computed_tokens, block_size)
             full_table, window_table, mamba_table = tables
             assert 0 not in full_table
-            for table in (window_table, mamba_table):  # nulls only before the live blocks
-                num_null = table.count(0)
-                assert table[:num_null] == [0] * num_null
+            num_null = window_table.count(0)  # nulls only before the live blocks
+            assert window_table[:num_null] == [0] * num_null
+            # Mamba "align": at most the last state and the one being written are real.
+            assert len(mamba_table) - mamba_table.count(0) <= 2
         for request in self.waiting:
             assert manager.get_block_ids(request.request_id) == ([], [], [])
 

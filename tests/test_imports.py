@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {
     "metrics": 54,  # residency (stdlib), Prometheus export
     "router": 54,
     "engine": 54,
+    "integrations": 56,  # pagedkv inside other engines (vLLM): the core and the wire codec
     "sim": 60,
     "cli": 100,
     "__main__": 101,

@@ -33,7 +33,8 @@ def stored(req, start_block, end_block, parent, block_size=16, **overrides) -> B
         lora_id=None,
         medium="GPU",
         lora_name=None,
-        extra_keys=None,
+        # One entry per block (vLLM 0.33), None for a block without keys.
+        extra_keys=[None] * (end_block - start_block) or None,
         group_idx=0,
         kv_cache_spec_kind="full_attention",
         kv_cache_spec_sliding_window=None,

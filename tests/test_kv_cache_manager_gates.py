@@ -74,7 +74,10 @@ def test_zero_token_call_raises_reference_message(manager):
 def test_external_tokens_only(manager):
     req = make_request("r", COMMON + [5] * 8)
     new = manager.allocate_slots(req, 0, num_external_computed_tokens=32)
-    assert new.get_block_ids() == ([1, 2],)
+    # The blocks for connector-loaded tokens are not "new" blocks (as in vLLM 0.33): the
+    # scheduler reads a new request's whole table.
+    assert new is manager.empty_kv_cache_blocks
+    assert manager.get_block_ids("r") == ([1, 2],)
     # Connector-loaded tokens are part of the request's prefix: they are cached too.
     assert manager.block_pool.cached_hashes(0) == {
         req.block_hashes[0]: [1],
@@ -92,8 +95,9 @@ def test_local_hit_plus_external_plus_new(manager):
     new = manager.allocate_slots(
         r1, 20, 32, hits, num_external_computed_tokens=16, delay_cache_blocks=True
     )
-    # | computed 0 | hit 32 | external 16 | new 20 | = 68 tokens -> 5 blocks, 3 of them new.
-    assert new.get_block_ids() == ([4, 5, 6],)
+    # | computed 0 | hit 32 | external 16 | new 20 | = 68 tokens -> 5 blocks: block 4 for the
+    # external tokens (phase two of admission), 5 and 6 new (the only ones returned).
+    assert new.get_block_ids() == ([5, 6],)
     assert manager.get_block_ids("1") == ([1, 2, 4, 5, 6],)
     assert manager.block_pool.blocks[4].block_hash is None  # delayed
     manager.cache_blocks(r1, 48)

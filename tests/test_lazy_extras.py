@@ -26,14 +26,17 @@ EXTRAS = {
     "torch",
     "transformers",
     "triton",
+    "vllm",
     "xxhash",
     "zmq",
 }
 # Extras a package (or one file) may import at module level: the engine is the torch adapter;
-# its Triton kernels module is imported only when the triton backend is asked for.
+# its Triton kernels module is imported only when the triton backend is asked for; the vLLM
+# integration is imported only by vLLM (its scheduler class, its pytest plugin).
 EAGER_ALLOWED = {
     "engine": {"torch", "transformers"},
     "engine/triton_kernels.py": {"torch", "triton"},
+    "integrations": {"vllm", "torch"},
 }
 
 

@@ -1,17 +1,19 @@
 """One contract every per-attention-type manager passes (allocate, free, cache, skipped blocks,
-invariants), run against each manager class with exact block ids."""
+invariants), run against each manager class with exact block ids.
+
+Mamba is not in it: in the reference's "align" mode a step holds a real block only at its last
+position, so "the table covers the tokens" does not hold; test_hybrid_mamba.py pins it."""
 
 from __future__ import annotations
 
 import pytest
-from hybrid_support import chunked, cross, full, ids, make_request, mamba, swa
+from hybrid_support import chunked, cross, full, ids, make_request, swa
 
 from pagedkv import BlockPool, ConfigError, InvariantViolation
 from pagedkv.managers import (
     ChunkedLocalAttentionManager,
     CrossAttentionManager,
     FullAttentionManager,
-    MambaManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
     manager_class_for,
@@ -32,7 +34,6 @@ CASES = {
         [0, 0, 0],
         [0, 0, 0, 4],
     ),
-    "mamba": (mamba(BLOCK_SIZE), MambaManager, [], [0, 0, 0, 4]),
     "cross_attention": (cross(BLOCK_SIZE), CrossAttentionManager, None, None),
 }
 
@@ -188,7 +189,7 @@ def test_remove_skipped_blocks_frees_longest_prefix_first(
     manager.allocate_new_blocks("r", 24)  # blocks 1..6
     manager.remove_skipped_blocks("r", 17)
     num_skipped_blocks = manager.get_num_skipped_tokens(17) // BLOCK_SIZE
-    expected = {"full": 0, "sliding_window": 2, "chunked_local": 3, "mamba": 4}.get(kind, 0)
+    expected = {"full": 0, "sliding_window": 2, "chunked_local": 3}.get(kind, 0)
     assert num_skipped_blocks == expected
     table = manager.req_to_blocks["r"]
     assert ids(table) == [0] * expected + list(range(expected + 1, 7))

@@ -159,7 +159,7 @@ def test_same_type_different_windows_is_hybrid():
 
 
 def test_mamba_hybrid_grows_attention_blocks_then_pads_mamba():
-    mamba = MambaSpec(16, ((8192, 3), (8192, 16)), 2)  # 311296 bytes
+    mamba = MambaSpec(16, ((8192, 3), (8192, 16)), 2, mamba_cache_mode="align")  # 311296 bytes
     attention = FullAttentionSpec(16, 8, 128, 2)  # 65536 bytes at 16 tokens
     specs = {"l0": mamba, "l1": mamba, "l2": attention, "l3": mamba, "l4": attention}
     layout = get_kv_cache_layout(specs)

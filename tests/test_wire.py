@@ -33,7 +33,8 @@ from pagedkv.wire import (  # noqa: E402
 )
 
 # --------------------------------------------------------------------------- reference Structs
-# Written from REFERENCE 7.1 (field order and defaults), independently of pagedkv.wire.
+# Written from vLLM 0.33's vllm/distributed/kv_events.py (field order and defaults; 0.33 added
+# `lookahead_token_ids`), independently of pagedkv.wire.
 
 Hash = int | bytes
 
@@ -57,6 +58,7 @@ class RefBlockStored(RefEvent, tag="BlockStored"):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class RefBlockRemoved(RefEvent, tag="BlockRemoved"):
@@ -97,6 +99,7 @@ class RefArrayBlockStored(RefArrayEvent, tag="BlockStored"):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class RefArrayBlockRemoved(RefArrayEvent, tag="BlockRemoved"):
@@ -148,8 +151,9 @@ def known_events() -> list:
             kv_cache_spec_kind="sliding_window",
             kv_cache_spec_sliding_window=4,
             session_id="s1",
+            lookahead_token_ids=[[7]],
         ),
-        BlockRemoved(block_hashes=[D1], medium="GPU", group_idx=0),
+        BlockRemoved(block_hashes=[D1], medium="GPU", group_idx=0, locality="LOCAL"),
         AllBlocksCleared(),
     ]
 
@@ -188,8 +192,9 @@ def reference_events(use_int: bool, array: bool) -> list:
             kv_cache_spec_kind="sliding_window",
             kv_cache_spec_sliding_window=4,
             session_id="s1",
+            lookahead_token_ids=[[7]],
         ),
-        removed([h(D1)], "GPU", group_idx=0),
+        removed([h(D1)], "GPU", group_idx=0, locality="LOCAL"),
         cleared(),
     ]
 
@@ -296,7 +301,7 @@ def test_decoder_reads_extension_and_skips_unknown_events():
     decoder = EventDecoder()
     batch = decoder.decode(payload)
     assert batch.ts == 3.0 and batch.schema_version == 7 and batch.snapshot_next_seq == 12
-    assert batch.events == [BlockRemoved([1], "CPU")]
+    assert batch.events == [BlockRemoved([1], "CPU", locality="local")]
     assert decoder.num_unknown_events == 1
 
 
@@ -383,3 +388,18 @@ def test_round_trip_of_real_manager_events(layout, hash_format):
     assert batch.schema_version == SCHEMA_VERSION and batch.data_parallel_rank == 0
     # Decoded events encode to the same bytes again (hashes already external).
     assert encoder.encode(batch) == encoder.encode(EventBatch(4.0, events, 0))
+
+
+def test_block_stored_map_header_is_16_bit_as_vllm_033():
+    # vLLM 0.33's BlockStored has 15 fields plus the tag: msgspec writes a map16 header
+    # (0xde + 2-byte count of the keys present) even when few keys are present; 14-field
+    # structs (0.32) fit a fixmap. Our encoder writes the same bytes.
+    payload = encode_batch([known_events()[0]], ts=1.0)
+    events_array = payload.index(b"\x91")  # the one-event array, after [ts ...
+    assert payload[events_array + 1 : events_array + 4] == b"\xde\x00\x0a"  # 10 keys
+    assert RefBlockStored.__struct_fields__[-1] == "lookahead_token_ids"
+    decoded = decode_batch(
+        EventEncoder(hash_format="bytes").encode(EventBatch(1.0, known_events(), None))
+    )
+    assert decoded.events[1].lookahead_token_ids == [[7]]
+    assert decoded.events[2].locality == "LOCAL"

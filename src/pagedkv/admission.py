@@ -7,6 +7,7 @@ request registry and the pool, never allocates.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from math import gcd, lcm
 
 from pagedkv.block import KVCacheBlock
 from pagedkv.block_pool import BlockPool
@@ -19,9 +20,9 @@ from pagedkv.errors import (
     RequestStateError,
 )
 from pagedkv.kv_cache_blocks import KVCacheBlocks
-from pagedkv.managers import SingleTypeKVCacheManager
+from pagedkv.managers import MambaManager, SingleTypeKVCacheManager
 from pagedkv.request import Request, RequestStatus
-from pagedkv.specs import cdiv
+from pagedkv.specs import KVCacheConfig, MambaSpec, SlidingWindowSpec, SpecDecodeConfig, cdiv
 
 
 def check_count(name: str, value: object, minimum: int = 0) -> None:
@@ -30,6 +31,114 @@ def check_count(name: str, value: object, minimum: int = 0) -> None:
         raise InvalidTypeError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_manager_config(
+    kv_cache_config: KVCacheConfig,
+    max_model_len: int,
+    scheduler_block_size: int | None,
+    hash_block_size: int | None,
+    max_in_flight_tokens: int | None,
+    enable_caching: bool,
+    watermark: float,
+    spec_decode: SpecDecodeConfig,
+    dcp_world_size: int,
+    pcp_world_size: int,
+) -> tuple[int, int]:
+    """Check a `KVCacheManager`'s arguments; return the resolved scheduler and hash block sizes.
+
+    Block sizes default to the LCM and the GCD of the groups' block sizes.
+    """
+    if not isinstance(kv_cache_config, KVCacheConfig):
+        raise ConfigError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
+    check_count("max_model_len", max_model_len, 1)
+    if not isinstance(watermark, (int, float)) or not 0.0 <= watermark < 1.0:
+        raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark!r}")
+    for name, world_size in (
+        ("dcp_world_size", dcp_world_size),
+        ("pcp_world_size", pcp_world_size),
+    ):
+        check_count(name, world_size, 1)
+        if world_size != 1:
+            raise ConfigError(
+                f"{name}={world_size}: context parallelism is not implemented in pagedkv "
+                "(only 1 is supported)"
+            )
+    groups = kv_cache_config.kv_cache_groups
+    block_sizes = [g.kv_cache_spec.block_size for g in groups]
+    if scheduler_block_size is None:
+        scheduler_block_size = lcm(*block_sizes) if block_sizes else 1
+    if hash_block_size is None:
+        hash_block_size = gcd(*block_sizes) if block_sizes else 1
+    check_count("scheduler_block_size", scheduler_block_size, 1)
+    check_count("hash_block_size", hash_block_size, 1)
+    if scheduler_block_size % hash_block_size:
+        raise ConfigError(
+            f"scheduler_block_size {scheduler_block_size} is not a multiple of "
+            f"hash_block_size {hash_block_size}"
+        )
+    for group_id, block_size in enumerate(block_sizes):
+        if scheduler_block_size % block_size:
+            raise ConfigError(
+                f"group {group_id}'s block size {block_size} does not divide "
+                f"scheduler_block_size {scheduler_block_size}"
+            )
+    if max_in_flight_tokens is not None:
+        check_count("max_in_flight_tokens", max_in_flight_tokens, 1)
+    _check_spec_decode(kv_cache_config, scheduler_block_size, enable_caching, spec_decode)
+    _check_retention_interval(kv_cache_config, scheduler_block_size)
+    return scheduler_block_size, hash_block_size
+
+
+def _check_spec_decode(
+    kv_cache_config: KVCacheConfig,
+    scheduler_block_size: int,
+    enable_caching: bool,
+    spec_decode: SpecDecodeConfig,
+) -> None:
+    groups = kv_cache_config.kv_cache_groups
+    has_eagle_groups = spec_decode.use_eagle or any(g.is_eagle_group for g in groups)
+    if (
+        enable_caching
+        and has_eagle_groups
+        and scheduler_block_size < spec_decode.num_prefill_lookahead
+    ):
+        # A hit drops one scheduler block, which must hold the tokens the drafter prefills again.
+        raise ConfigError(
+            f"multi-module MTP with prefix caching needs scheduler_block_size "
+            f"({scheduler_block_size}) >= num_prefill_lookahead "
+            f"({spec_decode.num_prefill_lookahead})"
+        )
+
+
+def _check_retention_interval(kv_cache_config: KVCacheConfig, scheduler_block_size: int) -> None:
+    interval = kv_cache_config.prefix_cache_retention_interval
+    if interval is None:
+        return
+    sparse = (SlidingWindowSpec, MambaSpec)
+    if not any(isinstance(g.kv_cache_spec, sparse) for g in kv_cache_config.kv_cache_groups):
+        if interval == 0:
+            return
+        raise ConfigError(
+            f"prefix_cache_retention_interval={interval} has no effect: the model has no "
+            "sliding-window or Mamba group (set it to None or 0)"
+        )
+    if interval % scheduler_block_size:
+        raise ConfigError(
+            f"prefix_cache_retention_interval ({interval}) must be a multiple of "
+            f"scheduler_block_size ({scheduler_block_size})"
+        )
+
+
+def _hit_count_fits(
+    manager: SingleTypeKVCacheManager, num_blocks: int, num_new_computed_tokens: int
+) -> bool:
+    """Hit blocks must cover exactly the hit tokens; a Mamba group's may stop short (a KV
+    connector supplies the state at the hit, so its older cached state is not used)."""
+    num_needed = cdiv(num_new_computed_tokens, manager.block_size)
+    if isinstance(manager, MambaManager):
+        return num_blocks <= num_needed
+    return num_blocks == num_needed
 
 
 class AllocationChecker:
@@ -183,7 +292,7 @@ class AllocationChecker:
             # Hot path: our own lookup for this request, with no eviction since: every block
             # is still cached under the request's hashes. Only the token count is checked.
             for manager, blocks in zip(self.managers, hits, strict=True):
-                if len(blocks) != cdiv(num_new_computed_tokens, manager.block_size):
+                if not _hit_count_fits(manager, len(blocks), num_new_computed_tokens):
                     raise InvalidArgumentError(
                         f"num_new_computed_tokens={num_new_computed_tokens} but the lookup "
                         f"found {len(blocks)} blocks of {manager.block_size} tokens"
@@ -194,7 +303,7 @@ class AllocationChecker:
         for group_id, (manager, blocks) in enumerate(zip(self.managers, hits, strict=True)):
             # Exactly the blocks covering the hit: extra hit blocks would be counted as cached
             # while their tokens are still to be computed (into shared blocks).
-            if len(blocks) != cdiv(num_new_computed_tokens, manager.block_size):
+            if not _hit_count_fits(manager, len(blocks), num_new_computed_tokens):
                 raise InvalidArgumentError(
                     f"num_new_computed_tokens={num_new_computed_tokens} but group {group_id} "
                     f"has {len(blocks)} hit blocks of {manager.block_size} tokens"

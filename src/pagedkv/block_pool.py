@@ -83,6 +83,7 @@ class BlockPool:
         metrics_collector: BlockResidencyObserver | None = None,
         medium: str = MEDIUM_GPU,
         eviction: EvictionConfig | None = None,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
             raise ConfigError(
@@ -94,9 +95,15 @@ class BlockPool:
         if num_kv_cache_groups < 1:
             raise ConfigError(f"num_kv_cache_groups={num_kv_cache_groups} must be >= 1")
         check_fits(f"a pool of {num_blocks:,} blocks", num_blocks * BYTES_PER_BLOCK)
+        if not isinstance(num_hash_lookahead_tokens, int) or num_hash_lookahead_tokens < 0:
+            raise ConfigError(
+                f"num_hash_lookahead_tokens must be an int >= 0, got {num_hash_lookahead_tokens!r}"
+            )
         self.num_gpu_blocks = num_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
+        # Each block hash also covers this many tokens after the block (events report them).
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.num_kv_cache_groups = num_kv_cache_groups
         self.medium = medium
         eviction = DEFAULT_EVICTION if eviction is None else eviction
@@ -376,12 +383,14 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
         """Enter blocks [num_cached_blocks, num_full_blocks) of a request into the cache.
 
-        `block_hashes` are the request's hashes at this group's block size. Null blocks are
-        skipped. Emits one `BlockStored` covering the newly cached blocks. `request` may be
-        None only with events off (a prompt replayed by its keys alone has no token ids).
+        `block_hashes` are the request's hashes at this group's block size. Null blocks, and
+        blocks whose entry in `block_mask` (aligned with the new blocks) is False, are skipped.
+        Emits one `BlockStored` covering the newly cached blocks. `request` may be None only
+        with events off (a prompt replayed by its keys alone has no token ids).
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -400,17 +409,30 @@ class BlockPool:
         # Hot path: zip over slices instead of indexing; one dict operation per block.
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         new_block_hashes = block_hashes[num_cached_blocks:num_full_blocks]
-        for block, block_hash in zip(new_blocks, new_block_hashes, strict=False):
-            if block is null_block or block.block_hash is not None:
-                # Null padding is never cached; a block is hashed at most once.
-                skipped.append(block)
-                continue
-            block.block_hash = block_hash
-            block.hash_group_id = kv_cache_group_id
-            if setdefault(block_hash, block) is not block:
-                self._duplicates[kv_cache_group_id].setdefault(block_hash, {})[block.block_id] = (
-                    block
-                )
+        duplicates = self._duplicates[kv_cache_group_id]
+        if block_mask is None:
+            # Hot path: dense caching (the common case) steps through no mask.
+            for block, block_hash in zip(new_blocks, new_block_hashes, strict=False):
+                if block is null_block or block.block_hash is not None:
+                    # Null padding is never cached; a block is hashed at most once.
+                    skipped.append(block)
+                    continue
+                block.block_hash = block_hash
+                block.hash_group_id = kv_cache_group_id
+                if setdefault(block_hash, block) is not block:
+                    duplicates.setdefault(block_hash, {})[block.block_id] = block
+        else:
+            for block, block_hash, kept in zip(
+                new_blocks, new_block_hashes, block_mask, strict=False
+            ):
+                if not kept or block is null_block or block.block_hash is not None:
+                    # As above; a masked block could never serve a hit.
+                    skipped.append(block)
+                    continue
+                block.block_hash = block_hash
+                block.hash_group_id = kv_cache_group_id
+                if setdefault(block_hash, block) is not block:
+                    duplicates.setdefault(block_hash, {})[block.block_id] = block
         if self.eviction_policy is not None:
             self.eviction_policy.on_cached(
                 request, blocks, num_cached_blocks, num_full_blocks, block_size, skipped
@@ -434,23 +456,24 @@ class BlockPool:
                 if id(block) not in skipped_ids:
                     new_hashes.append(block_hash)
                     new_indices.append(index)
-        if new_hashes:
-            assert request is not None  # refused above when events are on
-            event = self._block_stored_event(
-                request,
-                block_hashes,
-                new_hashes,
-                new_indices,
-                num_cached_blocks,
-                num_full_blocks,
-                block_size,
-                kv_cache_group_id,
-            )
-            policy = self.eviction_policy
-            if policy is not None and policy.retention is not None:
-                priority_of = policy.retention.priority_of
-                event.retention_priorities = [priority_of(blocks[i]) for i in new_indices]
-            self.kv_event_queue.append(event)
+        # One event per call even if every new block was null or masked (then with no hashes,
+        # but the call's tokens), as the reference emits it.
+        assert request is not None  # refused above when events are on
+        event = self._block_stored_event(
+            request,
+            block_hashes,
+            new_hashes,
+            new_indices,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+        )
+        policy = self.eviction_policy
+        if policy is not None and policy.retention is not None:
+            priority_of = policy.retention.priority_of
+            event.retention_priorities = [priority_of(blocks[i]) for i in new_indices]
+        self.kv_event_queue.append(event)
 
     def _block_stored_event(
         self,
@@ -468,17 +491,29 @@ class BlockPool:
         parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
         start_token = num_cached_blocks * block_size
         end_token = num_full_blocks * block_size
-        extra_keys = None
+        # With hash lookahead, a block's hash (so its event keys) covers the next tokens too.
+        lookahead = self.num_hash_lookahead_tokens
+        # One entry per stored block (None for a block without keys), None for no blocks: the
+        # reference's (0.33) form.
+        per_block: list[tuple | None]
         if request.has_extra_keys:
             per_block = []
             cursor = 0
             for index in new_indices:
                 keys, cursor = generate_block_hash_extra_keys(
-                    request, index * block_size, (index + 1) * block_size, cursor
+                    request, index * block_size, (index + 1) * block_size + lookahead, cursor
                 )
                 per_block.append(to_event_extra_keys(keys))
-            if any(keys is not None for keys in per_block):
-                extra_keys = per_block
+        else:
+            per_block = [None] * len(new_indices)
+        extra_keys = per_block or None
+        lookahead_token_ids = None
+        if lookahead:
+            tokens = request.all_token_ids
+            lookahead_token_ids = [
+                tokens[(index + 1) * block_size : (index + 1) * block_size + lookahead]
+                for index in new_indices
+            ]
         lora = request.lora_request
         # Hot path: positional arguments (the dataclass's field order) halve the cost of the
         # keyword form; kv_cache_spec_kind and _sliding_window are filled by take_events.
@@ -494,7 +529,10 @@ class BlockPool:
             group_id,
             None,
             None,
+            None,
+            None,
             request.session_id,
+            lookahead_token_ids,
         )
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:

@@ -361,14 +361,30 @@ class RequestBlockHasher:
     """Extends `request.block_hashes` with the hashes of newly full blocks.
 
     Called by `Request` at construction and after every token append; it hashes only blocks
-    `[len(request.block_hashes), num_tokens // hash_block_size)`, so calling it twice is a no-op.
+    `[len(request.block_hashes), (num_tokens - L) // hash_block_size)`, so calling it twice is
+    a no-op. With hash lookahead (L = `num_hash_lookahead_tokens` > 0, the reference's
+    EAGLE "lookahead block hashes") a block's hash also covers the L tokens after it, so it
+    exists only once they do: its extra keys cover the block and those tokens, followed by the
+    tokens themselves (`(keys, *tokens)` for `sha256_cbor`, byte-identical to the reference;
+    a tagged `("lookahead", *tokens)` key otherwise).
     """
 
-    __slots__ = ("hasher", "hash_block_size")
+    __slots__ = ("hasher", "hash_block_size", "num_hash_lookahead_tokens")
 
-    def __init__(self, hash_block_size: int, algorithm: str = "sha256", seed: str | None = None):
+    def __init__(
+        self,
+        hash_block_size: int,
+        algorithm: str = "sha256",
+        seed: str | None = None,
+        num_hash_lookahead_tokens: int = 0,
+    ):
+        if not isinstance(num_hash_lookahead_tokens, int) or num_hash_lookahead_tokens < 0:
+            raise InvalidArgumentError(
+                f"num_hash_lookahead_tokens must be an int >= 0, got {num_hash_lookahead_tokens!r}"
+            )
         self.hasher = BlockHasher(algorithm, hash_block_size, seed)
         self.hash_block_size = hash_block_size
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
 
     @property
     def algorithm(self) -> str:
@@ -387,13 +403,16 @@ class RequestBlockHasher:
         packs its prompt once to validate it; hashing reuses those bytes).
         """
         block_size = self.hash_block_size
+        lookahead = self.num_hash_lookahead_tokens
         start_block = len(request.block_hashes)
-        end_block = request.num_tokens // block_size
+        end_block = (request.num_tokens - lookahead) // block_size
         if end_block <= start_block:
             return []
         parent = request.block_hashes[-1] if start_block else None
         tokens = request.all_token_ids
         hasher = self.hasher
+        if lookahead:
+            return self._hash_with_lookahead(request, parent, start_block, end_block)
         if not request.has_extra_keys and hasher._digest_packed is None:
             start_token, end_token = start_block * block_size, end_block * block_size
             num_blocks = end_block - start_block
@@ -424,12 +443,36 @@ class RequestBlockHasher:
         request.mm_hash_cursor = cursor
         return hashes
 
+    def _hash_with_lookahead(
+        self, request: HashedRequest, parent: BlockHash | None, start_block: int, end_block: int
+    ) -> list[BlockHash]:
+        block_size = self.hash_block_size
+        lookahead = self.num_hash_lookahead_tokens
+        tokens = request.all_token_ids
+        hasher = self.hasher
+        as_reference = hasher._digest_packed is None  # sha256_cbor: the reference's tuple
+        hashes: list[BlockHash] = []
+        cursor = request.mm_hash_cursor
+        for block_index in range(start_block, end_block):
+            start = block_index * block_size
+            end = start + block_size
+            keys, cursor = generate_block_hash_extra_keys(request, start, end + lookahead, cursor)
+            after = tuple(tokens[end : end + lookahead])
+            extra: Any = (keys, *after) if as_reference else (*(keys or ()), ("lookahead", *after))
+            parent = hasher.hash_block_tokens(parent, tokens[start:end], extra)
+            hashes.append(parent)
+        request.mm_hash_cursor = cursor
+        return hashes
+
 
 def make_request_block_hasher(
-    hash_block_size: int, algorithm: str = "sha256", seed: str | None = None
+    hash_block_size: int,
+    algorithm: str = "sha256",
+    seed: str | None = None,
+    num_hash_lookahead_tokens: int = 0,
 ) -> RequestBlockHasher:
     """Build the hasher a `Request` calls to extend its block hashes."""
-    return RequestBlockHasher(hash_block_size, algorithm, seed)
+    return RequestBlockHasher(hash_block_size, algorithm, seed, num_hash_lookahead_tokens)
 
 
 # ----------------------------------------------------------------------------- coarse view

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from math import gcd, lcm
 
-from pagedkv.admission import AllocationChecker, check_count
+from pagedkv.admission import AllocationChecker, check_count, check_manager_config
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockResidencyObserver
 from pagedkv.coordinators import make_coordinator, make_running_allocator
@@ -25,7 +24,7 @@ from pagedkv.eviction import EvictionConfig, EvictionStats, as_eviction_config
 from pagedkv.kv_cache_blocks import ComputedBlocks, DecodeSlots, KVCacheBlocks
 from pagedkv.managers import FullAttentionManager
 from pagedkv.request import Request, RequestStatus
-from pagedkv.specs import KVCacheConfig, SlidingWindowSpec
+from pagedkv.specs import KVCacheConfig, SlidingWindowSpec, SpecDecodeConfig
 from pagedkv.stats import PrefixCacheStats
 
 logger = logging.getLogger(__name__)
@@ -52,42 +51,35 @@ class KVCacheManager:
         metrics_collector: BlockResidencyObserver | None = None,
         watermark: float = 0.0,
         eviction: EvictionConfig | str | None = None,
+        *,
+        use_eagle: bool = False,
+        num_prefill_lookahead: int = 0,
+        num_hash_lookahead_tokens: int = 0,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
     ) -> None:
-        """`eviction`: the eviction policy (a name from `pagedkv.eviction.POLICY_NAMES`) or an
-        `EvictionConfig` with retention and a host-memory tier; default plain LRU."""
-        if not isinstance(kv_cache_config, KVCacheConfig):
-            raise ConfigError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
-        if not kv_cache_config.kv_cache_groups:
-            # Sizing describes an attention-free model so (as the reference's planner does);
-            # there is nothing to manage, and allocating would fail later with a stranger error.
-            raise ConfigError(
-                "kv_cache_config has no KV-cache groups (an attention-free model keeps no KV "
-                "cache): a KVCacheManager needs at least one KVCacheGroupSpec"
-            )
-        check_count("max_model_len", max_model_len, 1)
-        if not isinstance(watermark, (int, float)) or not 0.0 <= watermark < 1.0:
-            raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark!r}")
+        """Args (beyond the reference's first ten, which keep their order):
+        eviction: the eviction policy (a name from `pagedkv.eviction.POLICY_NAMES`) or an
+            `EvictionConfig` with retention and a host-memory tier; default plain LRU.
+        use_eagle, num_prefill_lookahead, num_hash_lookahead_tokens: see `SpecDecodeConfig`.
+        dcp_world_size, pcp_world_size: context parallelism; only 1 is implemented.
+        """
+        spec_decode = SpecDecodeConfig(
+            bool(use_eagle), num_prefill_lookahead, num_hash_lookahead_tokens
+        )
+        scheduler_block_size, hash_block_size = check_manager_config(
+            kv_cache_config,
+            max_model_len,
+            scheduler_block_size,
+            hash_block_size,
+            max_in_flight_tokens,
+            enable_caching,
+            watermark,
+            spec_decode,
+            dcp_world_size,
+            pcp_world_size,
+        )
         groups = kv_cache_config.kv_cache_groups
-        block_sizes = [g.kv_cache_spec.block_size for g in groups]
-        if scheduler_block_size is None:
-            scheduler_block_size = lcm(*block_sizes) if block_sizes else 1
-        if hash_block_size is None:
-            hash_block_size = gcd(*block_sizes) if block_sizes else 1
-        check_count("scheduler_block_size", scheduler_block_size, 1)
-        check_count("hash_block_size", hash_block_size, 1)
-        if scheduler_block_size % hash_block_size:
-            raise ConfigError(
-                f"scheduler_block_size {scheduler_block_size} is not a multiple of "
-                f"hash_block_size {hash_block_size}"
-            )
-        for group_id, block_size in enumerate(block_sizes):
-            if scheduler_block_size % block_size:
-                raise ConfigError(
-                    f"group {group_id}'s block size {block_size} does not divide "
-                    f"scheduler_block_size {scheduler_block_size}"
-                )
-        if max_in_flight_tokens is not None:
-            check_count("max_in_flight_tokens", max_in_flight_tokens, 1)
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.scheduler_block_size = scheduler_block_size
@@ -110,7 +102,10 @@ class KVCacheManager:
             metrics_collector,
             scheduler_block_size,
             eviction=as_eviction_config(eviction),
+            spec_decode=spec_decode,
         )
+        self.spec_decode = spec_decode
+        self.use_eagle = spec_decode.use_eagle
         self.block_pool = self.coordinator.block_pool
         policy = self.block_pool.eviction_policy
         self._retention = policy.retention if policy is not None else None
@@ -148,9 +143,14 @@ class KVCacheManager:
         managers = self.coordinator.single_type_managers
         self._fast_manager = None
         self._fast_hit_map = None
-        if len(managers) == 1 and type(managers[0]) is FullAttentionManager:
+        if (
+            len(managers) == 1
+            and type(managers[0]) is FullAttentionManager
+            and managers[0].new_block_ids is None  # no zeroing record
+            and self.coordinator.num_reprefillable_tokens == 0
+        ):
             self._fast_manager = managers[0]
-            if enable_caching:
+            if enable_caching and not managers[0].use_eagle:
                 self._fast_hit_map = self.block_pool.hash_to_block[0]
         # Hot path: a running request's next tokens (decode, next chunk) in one pass over the
         # groups; None where the configuration needs the general path.
@@ -184,12 +184,20 @@ class KVCacheManager:
             return
         self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
 
-    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """The longest cached prefix of the request (at most `num_tokens - 1`); changes nothing."""
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> ComputedBlocks:
+        """The longest cached prefix of the request; changes nothing.
+
+        The hit is at most `max_cache_hit_length` tokens, by default `num_tokens - 1` (one token
+        is always left to compute, so the model produces logits).
+        """
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self._empty_computed
-        # Keep at least one token to compute, so the model produces logits.
-        max_cache_hit_length = request.num_tokens - 1
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        else:
+            check_count("max_cache_hit_length", max_cache_hit_length)
         hit_map = self._fast_hit_map
         if hit_map is not None:
             # Hot path: one dict probe per block; chained hashes make the first miss final.
@@ -208,12 +216,17 @@ class KVCacheManager:
             result = KVCacheBlocks((hits,))
             num_hit_tokens = len(hits) * block_size
         else:
-            hit_blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+            hit_blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
                 request.block_hashes, max_cache_hit_length
             )
+            # A shared prefix some group cached past the reconciled hit: the position a
+            # sparse-retention group must keep once it computes it (0 if none).
+            boundary = num_hit_tokens + num_uncached if num_uncached else 0
             result = self.create_kv_cache_blocks(hit_blocks)
             if result is self.empty_kv_cache_blocks:
-                return self._empty_computed
+                return ComputedBlocks(result, 0, boundary) if boundary else self._empty_computed
+            self._checker.record_lookup(request, result)
+            return ComputedBlocks(result, num_hit_tokens, boundary)
         self._checker.record_lookup(request, result)
         return ComputedBlocks(result, num_hit_tokens, 0)
 
@@ -247,8 +260,12 @@ class KVCacheManager:
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> KVCacheBlocks | None:
         """Make room for `num_new_tokens` more tokens of `request` (layout in docs/design.md).
+
+        `skip_zeroing_group_ids`: groups whose blocks for external tokens an asynchronous load
+        writes, so they are not recorded for zeroing.
 
         Returns:
             The newly allocated blocks per group (the shared empty value if none), or None if
@@ -304,13 +321,15 @@ class KVCacheManager:
         )
         num_free = self.block_pool.free_block_queue.num_free_blocks
         if full_sequence_must_fit:
+            num_full_tokens = min(request.num_tokens, max_model_len)
             num_needed = coordinator.get_num_blocks_to_allocate(
                 request_id,
-                min(request.num_tokens, max_model_len),
+                num_full_tokens,
                 hits,
                 total_computed,
                 num_encoder_tokens,
                 apply_admission_cap=True,
+                num_tokens_main_model=num_full_tokens,
             )
             if num_needed + watermark_blocks > num_free:
                 return None
@@ -321,17 +340,28 @@ class KVCacheManager:
             request_id, max(0, total_computed - request.num_in_flight_tokens)
         )
         num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hits, total_computed, num_encoder_tokens
+            request_id,
+            num_tokens_need_slot,
+            hits,
+            num_local_computed + num_external_computed_tokens,
+            num_encoder_tokens,
+            num_tokens_main_model=num_tokens_main_model,
         )
         num_available = self.block_pool.free_block_queue.num_free_blocks - reserved_blocks
         if num_blocks_to_allocate + watermark_blocks > num_available:
             return None
         if hits is not self._empty_hits or num_external_computed_tokens > 0:
-            coordinator.allocate_new_computed_blocks(request_id, hits, total_computed)
+            coordinator.allocate_new_computed_blocks(
+                request_id,
+                hits,
+                num_local_computed,
+                num_external_computed_tokens,
+                skip_zeroing_group_ids,
+            )
             if self._retention is not None and request.retention is not None:
                 self._retain_hits(request, hits)
         new_blocks = coordinator.allocate_new_blocks(
-            request_id, num_tokens_need_slot, num_encoder_tokens
+            request_id, num_tokens_need_slot, num_encoder_tokens, num_tokens_main_model
         )
         self._requests[request_id] = request
         if self.enable_caching and not delay_cache_blocks:
@@ -505,6 +535,32 @@ class KVCacheManager:
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
         check_count("processed_computed_tokens", processed_computed_tokens)
         self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        """Block ids per group, token-indexed groups clipped to the computed tokens' blocks.
+
+        Cross-attention and Mamba groups are not indexed by decoder tokens: kept whole.
+        """
+        check_count("num_computed_tokens", num_computed_tokens)
+        return self.coordinator.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        """Tokens of the request's prefix in the prefix cache: per cacheable group, the end of
+        its last hashed block; the minimum over groups (0 if none)."""
+        return self.coordinator.estimate_cached_tokens(request.request_id)
+
+    def take_new_block_ids(self) -> list[int]:
+        """Drain the ids of attention blocks allocated since the last call, for the worker to
+        zero (recorded only with `KVCacheConfig.needs_kv_cache_zeroing`)."""
+        return self.coordinator.take_new_block_ids()
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Record the request's blocks from `start_token` on for zeroing again (after a failed
+        KV load left them unwritten); `start_token` must be block aligned in each group."""
+        check_count("start_token", start_token)
+        self.coordinator.record_blocks_for_zeroing(request_id, start_token)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's full blocks up to `num_computed_tokens` (async scheduling)."""

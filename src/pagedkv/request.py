@@ -36,6 +36,23 @@ class RequestStatus(enum.IntEnum):
 _PREEMPTED = RequestStatus.PREEMPTED
 
 
+class OwnerExtendsHashes:
+    """The block hasher of an external request: its owner extends the hashes, never pagedkv."""
+
+    __slots__ = ("hash_block_size",)
+
+    num_hash_lookahead_tokens = 0  # never consulted: nothing appends through pagedkv
+
+    def __init__(self, hash_block_size: int) -> None:
+        self.hash_block_size = hash_block_size
+
+    def __call__(self, request: Request, packed_tokens: bytes | None = None) -> list[BlockHash]:
+        raise RequestStateError(
+            f"request {request.request_id!r} is external: its owner appends tokens and extends "
+            "its block hashes"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class LoRARequest:
     """A LoRA adapter. Name *and* path enter the hash, so re-pointing a name never reuses KV."""
@@ -91,6 +108,7 @@ class Request:
         "has_extra_keys",
         "mm_hash_cursor",
         "session_id",
+        "shared_prefix_boundary",
         "retention",
         "_embeds_digests",
     )
@@ -144,6 +162,9 @@ class Request:
         self.prompt_embeds = _check_prompt_embeds(request_id, prompt_embeds, len(tokens))
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.session_id = session_id
+        # Token position of a prefix shared with other requests that a sparse-retention group
+        # must keep cached (set by the scheduler from `get_computed_blocks`); 0 if none.
+        self.shared_prefix_boundary = 0
         if retention is not None and not isinstance(retention, RetentionConfig):
             raise InvalidTypeError(
                 f"request {request_id!r}: retention must be a RetentionConfig, got {retention!r}"
@@ -156,9 +177,62 @@ class Request:
         self.mm_hash_cursor = 0
         self._embeds_digests: dict[tuple[int, int], bytes] = {}
         self.block_hashes: list[BlockHash] = []
-        self.block_hasher = block_hasher
+        self.block_hasher: RequestBlockHasher | OwnerExtendsHashes | None = block_hasher
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self, packed))
+
+    @classmethod
+    def external(
+        cls,
+        request_id: str,
+        all_token_ids: list[int],
+        block_hashes: list[BlockHash],
+        hash_block_size: int,
+        *,
+        num_prompt_tokens: int,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MultiModalFeature] = (),
+        prompt_embeds: Any = None,
+        skip_reading_prefix_cache: bool = False,
+        session_id: str | None = None,
+    ) -> Request:
+        """A request over another engine's token and hash lists: nothing is copied or checked.
+
+        The owner appends tokens and extends `block_hashes` itself (chained hashes of
+        `hash_block_size`-token blocks, used as opaque keys), and sets the counters the manager
+        reads (`num_tokens`, `num_prompt_tokens`, `num_computed_tokens`,
+        `num_in_flight_tokens`, `status`, `num_preemptions`, `shared_prefix_boundary`) before
+        each manager call. `mm_features` must be sorted by offset.
+        """
+        self = object.__new__(cls)
+        self.request_id = request_id
+        self.all_token_ids = all_token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_tokens = len(all_token_ids)
+        self.num_computed_tokens = 0
+        self.num_in_flight_tokens = 0
+        self.max_tokens = None
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.priority = 0
+        self.arrival_time = 0.0
+        self.lora_request = lora_request
+        self.cache_salt = cache_salt
+        self.mm_features = tuple(mm_features)
+        self.prompt_embeds = prompt_embeds
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        self.session_id = session_id
+        self.shared_prefix_boundary = 0
+        self.retention = None
+        self.has_extra_keys = bool(
+            lora_request is not None or cache_salt or mm_features or prompt_embeds is not None
+        )
+        self.mm_hash_cursor = 0
+        self._embeds_digests = {}
+        self.block_hashes = block_hashes
+        self.block_hasher = OwnerExtendsHashes(hash_block_size)
+        return self
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -188,7 +262,10 @@ class Request:
             self.all_token_ids.append(token_ids)
             num_tokens = self.num_tokens = self.num_tokens + 1
             hasher = self.block_hasher
-            if hasher is not None and num_tokens % hasher.hash_block_size == 0:
+            if (
+                hasher is not None
+                and (num_tokens - hasher.num_hash_lookahead_tokens) % hasher.hash_block_size == 0
+            ):
                 self.block_hashes.extend(hasher(self))
             return
         else:
@@ -200,9 +277,9 @@ class Request:
             self.all_token_ids.extend(token_ids)
             self.num_tokens += len(token_ids)
         hasher = self.block_hasher
-        if hasher is not None and self.num_tokens // hasher.hash_block_size > len(
-            self.block_hashes
-        ):
+        if hasher is not None and (
+            self.num_tokens - hasher.num_hash_lookahead_tokens
+        ) // hasher.hash_block_size > len(self.block_hashes):
             self.block_hashes.extend(hasher(self))
 
     def prompt_embeds_digest(self, start: int, end: int) -> bytes:

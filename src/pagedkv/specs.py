@@ -200,21 +200,44 @@ class CrossAttentionSpec(AttentionSpec):
         return cdiv(max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
 
 
+MAMBA_CACHE_MODES = ("none", "align")
+
+
 @dataclass(frozen=True)
 class MambaSpec(KVCacheSpec):
     """Mamba / SSM state: one fixed-size state a request, independent of its length.
 
     `shapes` lists the state tensors (conv state, SSM state); `dtype_bytes` is one size for all,
-    or one per shape.
+    or one per shape. `mamba_cache_mode` (the reference's): "none" keeps only the current state
+    (no prefix caching; the reference then makes `block_size` the model length, so one block
+    holds it), "align" also keeps the states at block boundaries for prefix hits.
     """
 
     shapes: tuple[tuple[int, ...], ...]
     dtype_bytes: int | tuple[int, ...]
     page_size_padded: int | None = field(default=None, kw_only=True)
+    # "align": states at block boundaries are prefix-cached; "none": no prefix caching.
+    mamba_cache_mode: str = field(default="none", kw_only=True)
+    # Extra state blocks a request holds for speculative decoding (MTP/EAGLE drafts).
+    num_speculative_blocks: int = field(default=0, kw_only=True)
     kind: ClassVar[str] = "mamba"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ConfigError(
+                f"MambaSpec: mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, got "
+                f"{self.mamba_cache_mode!r}"
+            )
+        if (
+            not isinstance(self.num_speculative_blocks, int)
+            or isinstance(self.num_speculative_blocks, bool)
+            or self.num_speculative_blocks < 0
+        ):
+            raise ConfigError(
+                "MambaSpec: num_speculative_blocks must be an int >= 0, got "
+                f"{self.num_speculative_blocks!r}"
+            )
         if not self.shapes or any(
             not shape or any(not isinstance(d, int) or d <= 0 for d in shape)
             for shape in self.shapes
@@ -249,10 +272,14 @@ class MambaSpec(KVCacheSpec):
             return self.page_size_padded
         return self.real_page_size_bytes
 
-    def max_admission_blocks(self, max_model_len: int, max_in_flight_tokens: int) -> int | None:
-        # The manager holds one block per position of the tokens in flight (each may become a
-        # cached state) plus the last settled state; older ones are freed as skipped.
-        return cdiv(min(max_in_flight_tokens, max_model_len), self.block_size) + 1
+    def max_state_blocks_per_request(self) -> int:
+        """State blocks a request holds at most, whatever its length (the reference's count).
+
+        "none": its one state block; "align": the last state and the one being written.
+        Either way plus the speculative blocks.
+        """
+        num_states = 2 if self.mamba_cache_mode == "align" else 1
+        return num_states + self.num_speculative_blocks
 
     def max_memory_usage_bytes(
         self,
@@ -260,8 +287,35 @@ class MambaSpec(KVCacheSpec):
         max_in_flight_tokens: int | None = None,
         max_num_encoder_input_tokens: int = 0,
     ) -> int:
-        in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
-        return self.max_admission_blocks(max_model_len, in_flight) * self.page_size_bytes
+        return self.max_state_blocks_per_request() * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class SpecDecodeConfig:
+    """What speculative decoding asks of the prefix cache (the reference's names).
+
+    `use_eagle`: an EAGLE/MTP drafter recomputes the last matched block, so hits of draft
+    groups (`KVCacheGroupSpec.is_eagle_group`, or every group if none is flagged) drop it.
+    `num_prefill_lookahead`: prefill tokens past the computed range the drafter reads; the last
+    `num_prefill_lookahead - 1` computed tokens may be re-prefilled, so they are not cached yet.
+    `num_hash_lookahead_tokens`: tokens after each block that its hash covers (the request's
+    hasher emits a block's hash only once they exist); events report them.
+    """
+
+    use_eagle: bool = False
+    num_prefill_lookahead: int = 0
+    num_hash_lookahead_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill_lookahead", "num_hash_lookahead_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+
+    @property
+    def num_reprefillable_tokens(self) -> int:
+        """Trailing computed tokens that multi-module MTP may prefill again."""
+        return max(0, self.num_prefill_lookahead - 1)
 
 
 @dataclass(frozen=True)
@@ -270,6 +324,8 @@ class KVCacheGroupSpec:
 
     layer_names: tuple[str, ...]
     kv_cache_spec: KVCacheSpec
+    # Draft-model (EAGLE/MTP) layers: this group's prefix hits drop the last block.
+    is_eagle_group: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_names, str):
@@ -298,12 +354,24 @@ class KVCacheConfig:
     num_blocks: int
     kv_cache_groups: tuple[KVCacheGroupSpec, ...]
     kv_cache_tensors: tuple[KVCacheTensor, ...] = ()
+    # Sparse retention of sliding-window states (reference name): None caches every block;
+    # 0 keeps only the tails a later hit can resume at; N > 0 also one tail per N tokens.
+    prefix_cache_retention_interval: int | None = None
+    # Record newly allocated attention blocks for the worker to zero (`take_new_block_ids`).
+    needs_kv_cache_zeroing: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_groups", tuple(self.kv_cache_groups))
         object.__setattr__(self, "kv_cache_tensors", tuple(self.kv_cache_tensors))
         if not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool):
             raise ConfigError(f"num_blocks must be an int, got {self.num_blocks!r}")
+        interval = self.prefix_cache_retention_interval
+        if interval is not None and (
+            not isinstance(interval, int) or isinstance(interval, bool) or interval < 0
+        ):
+            raise ConfigError(
+                f"prefix_cache_retention_interval must be None or an int >= 0, got {interval!r}"
+            )
         minimum = 2 if self.kv_cache_groups else 1
         if self.num_blocks < minimum:
             raise ConfigError(

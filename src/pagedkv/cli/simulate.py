@@ -477,7 +477,9 @@ def _model_groups(args: argparse.Namespace) -> tuple[str, Any]:
     from pagedkv.sizing import get_kv_cache_layout
     from pagedkv.sizing.model_config import load_model_description
 
-    description = load_model_description(args.model, block_size=args.block_size)
+    description = load_model_description(
+        args.model, block_size=args.block_size, mamba_cache_mode="align"
+    )
     return description.name, get_kv_cache_layout(description.layer_to_spec).groups
 
 
@@ -498,7 +500,9 @@ def _size_model(
     from pagedkv.sizing.model_config import load_model_description
 
     memory_bytes = parse_memory_bytes(args.memory)
-    description = load_model_description(args.model, block_size=args.block_size)
+    description = load_model_description(
+        args.model, block_size=args.block_size, mamba_cache_mode="align"
+    )
     if max_model_len is None:
         limits = [
             limit

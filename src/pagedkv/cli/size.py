@@ -87,6 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="manage sliding-window and chunked layers as full attention",
     )
+    parser.add_argument(
+        "--mamba-cache-mode",
+        choices=("none", "align"),
+        default="none",
+        help="Mamba state blocks a request holds, as vLLM counts them: 'none' one (vLLM's "
+        "default without prefix caching), 'align' two (with prefix caching)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -256,7 +263,12 @@ def _size(args: argparse.Namespace) -> dict:
     ):
         if value is not None and value <= 0:
             raise InvalidArgumentError(f"{flag} must be positive, got {value}")
-    description = load_model_description(args.config, block_size=args.block_size, dtype=args.dtype)
+    description = load_model_description(
+        args.config,
+        block_size=args.block_size,
+        dtype=args.dtype,
+        mamba_cache_mode=args.mamba_cache_mode,
+    )
     max_model_len = args.max_model_len or description.max_position_embeddings
     if max_model_len is None:
         raise InvalidArgumentError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pagedkv.block_pool import BlockResidencyObserver
 from pagedkv.coordinators.base import (
+    NO_SPEC_DECODE,
     BlockLists,
     KVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
@@ -18,7 +19,7 @@ from pagedkv.coordinators.base import (
 from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator, SpecBucket
 from pagedkv.coordinators.running import RunningAllocator, make_running_allocator
 from pagedkv.eviction import EvictionConfig
-from pagedkv.specs import KVCacheConfig
+from pagedkv.specs import KVCacheConfig, SpecDecodeConfig
 
 
 def make_coordinator(
@@ -31,6 +32,7 @@ def make_coordinator(
     metrics_collector: BlockResidencyObserver | None = None,
     scheduler_block_size: int | None = None,
     eviction: EvictionConfig | None = None,
+    spec_decode: SpecDecodeConfig = NO_SPEC_DECODE,
 ) -> KVCacheCoordinator:
     """Pick the coordinator once: no caching, one group, or a hybrid of several groups."""
     args = (
@@ -44,12 +46,15 @@ def make_coordinator(
     )
     num_groups = len(kv_cache_config.kv_cache_groups)
     if not enable_caching or num_groups == 0:
-        return KVCacheCoordinatorNoPrefixCache(*args, eviction=eviction)
+        return KVCacheCoordinatorNoPrefixCache(*args, eviction=eviction, spec_decode=spec_decode)
     if num_groups == 1:
-        return UnitaryKVCacheCoordinator(*args, eviction=eviction)
+        return UnitaryKVCacheCoordinator(*args, eviction=eviction, spec_decode=spec_decode)
 
     return HybridKVCacheCoordinator(
-        *args, scheduler_block_size=scheduler_block_size, eviction=eviction
+        *args,
+        scheduler_block_size=scheduler_block_size,
+        eviction=eviction,
+        spec_decode=spec_decode,
     )
 
 

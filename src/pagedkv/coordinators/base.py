@@ -9,23 +9,55 @@ from typing import TYPE_CHECKING
 
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockPool, BlockResidencyObserver
-from pagedkv.errors import ConfigError, InvariantViolation
+from pagedkv.errors import ConfigError, InvalidArgumentError, InvariantViolation
 from pagedkv.eviction import EvictionConfig
-from pagedkv.managers import SingleTypeKVCacheManager, manager_class_for
-from pagedkv.specs import CrossAttentionSpec, KVCacheConfig
+from pagedkv.managers import (
+    ChunkedLocalAttentionManager,
+    SingleTypeKVCacheManager,
+    manager_class_for,
+)
+from pagedkv.specs import (
+    AttentionSpec,
+    CrossAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    SpecDecodeConfig,
+    cdiv,
+)
 
 if TYPE_CHECKING:
     from pagedkv.request import Request
 
 BlockLists = tuple[Sequence[KVCacheBlock], ...]
+NO_SPEC_DECODE = SpecDecodeConfig()
+
+
+def replay_boundaries(
+    num_prompt_tokens: int, scheduler_block_size: int, use_eagle: bool
+) -> tuple[int, ...]:
+    """Token positions a later request replaying this prompt can resume at.
+
+    A resend of the same prompt hits at most `num_prompt_tokens - 1` tokens. With EAGLE, hits
+    drop one block, so a resend and a longer sibling resume one block below the last aligned
+    boundary of `num_prompt_tokens - 1` and of `num_prompt_tokens` respectively.
+    """
+    if not use_eagle:
+        return (num_prompt_tokens - 1,)
+    block = scheduler_block_size
+    resend = (num_prompt_tokens - 1) // block * block
+    extension = num_prompt_tokens // block * block
+    return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
 
 
 class KVCacheCoordinator:
     """Fans manager calls out to every group; subclasses differ only in the hit search.
 
     Invariant (`check_invariants`): every block's `ref_cnt` equals the number of block tables,
-    across all groups, that hold it. `cache_blocks(request, n)` caches every caching group's
-    full blocks up to `n` rounded down to a multiple of `cache_alignment_tokens`.
+    across all groups, that hold it. `cache_blocks(request, n)` caches each caching group's
+    full, hashed blocks up to `get_num_cacheable_tokens(n, group_id)` (without speculative
+    decoding: `n` rounded down to a multiple of `cache_alignment_tokens`).
+    `drop_eagle_group_ids` are the groups whose hits drop the EAGLE block (`eagle_group_ids`,
+    the draft groups, when `use_eagle` is on).
     """
 
     cache_alignment_tokens = 1
@@ -41,11 +73,14 @@ class KVCacheCoordinator:
         metrics_collector: BlockResidencyObserver | None = None,
         alignment_tokens: int | None = None,
         eviction: EvictionConfig | None = None,
+        spec_decode: SpecDecodeConfig = NO_SPEC_DECODE,
     ) -> None:
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.hash_block_size = hash_block_size
         self.enable_caching = enable_caching
+        self.spec_decode = spec_decode
+        self.num_reprefillable_tokens = spec_decode.num_reprefillable_tokens
         groups = kv_cache_config.kv_cache_groups
         self.block_pool = BlockPool(
             kv_cache_config.num_blocks,
@@ -55,25 +90,52 @@ class KVCacheCoordinator:
             enable_kv_cache_events=enable_kv_cache_events,
             metrics_collector=metrics_collector,
             eviction=eviction,
+            num_hash_lookahead_tokens=spec_decode.num_hash_lookahead_tokens,
         )
         in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
-        managers = []
-        for group_id, group in enumerate(groups):
-            spec = group.kv_cache_spec
-            managers.append(
-                manager_class_for(spec)(
-                    spec,
-                    self.block_pool,
-                    group_id,
-                    enable_caching=enable_caching and spec.prefix_cacheable,
-                    max_admission_blocks_per_request=spec.max_admission_blocks(
-                        max_model_len, in_flight
-                    ),
-                    alignment_tokens=alignment_tokens,
-                )
-            )
-        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(managers)
+        managers = self._make_managers(max_model_len, in_flight, alignment_tokens)
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = managers
         self._is_cross = tuple(isinstance(g.kv_cache_spec, CrossAttentionSpec) for g in groups)
+        eagle_group_ids = {i for i, group in enumerate(groups) if group.is_eagle_group}
+        if spec_decode.use_eagle and not eagle_group_ids:
+            eagle_group_ids = set(range(len(groups)))  # no group flagged: all of them
+        self.eagle_group_ids = frozenset(eagle_group_ids)
+        self.drop_eagle_group_ids = (
+            self.eagle_group_ids if spec_decode.use_eagle else frozenset[int]()
+        )
+        for group_id in self.drop_eagle_group_ids:
+            if enable_caching and isinstance(managers[group_id], ChunkedLocalAttentionManager):
+                raise ConfigError(
+                    f"group {group_id} is chunked local attention: EAGLE's last-block drop is "
+                    "not supported there (as in the reference)"
+                )
+        # Sparse-retention managers need the positions a later request can resume at.
+        self.wants_replay_boundaries = any(
+            type(manager).reachable_block_mask is not SingleTypeKVCacheManager.reachable_block_mask
+            for manager in managers
+        )
+
+    def _make_managers(
+        self, max_model_len: int, max_in_flight_tokens: int, alignment_tokens: int | None
+    ) -> tuple[SingleTypeKVCacheManager, ...]:
+        """One manager per group, of the class its spec names, all on this pool."""
+        config = self.kv_cache_config
+        return tuple(
+            manager_class_for(group.kv_cache_spec)(
+                group.kv_cache_spec,
+                self.block_pool,
+                group_id,
+                enable_caching=self.enable_caching and group.kv_cache_spec.prefix_cacheable,
+                max_admission_blocks_per_request=group.kv_cache_spec.max_admission_blocks(
+                    max_model_len, max_in_flight_tokens
+                ),
+                alignment_tokens=alignment_tokens,
+                retention_interval=config.prefix_cache_retention_interval,
+                record_new_block_ids=config.needs_kv_cache_zeroing
+                and isinstance(group.kv_cache_spec, AttentionSpec),
+            )
+            for group_id, group in enumerate(config.kv_cache_groups)
+        )
 
     # ------------------------------------------------------------------ counting
 
@@ -85,6 +147,7 @@ class KVCacheCoordinator:
         total_computed_tokens: int,
         num_encoder_tokens: int,
         apply_admission_cap: bool = False,
+        num_tokens_main_model: int | None = None,
     ) -> int:
         total = 0
         for group_id, manager in enumerate(self.single_type_managers):
@@ -99,39 +162,78 @@ class KVCacheCoordinator:
                     new_computed_blocks[group_id],
                     total_computed_tokens,
                     apply_admission_cap,
+                    num_tokens_main_model,
                 )
         return total
 
     # ------------------------------------------------------------------ allocation
 
     def allocate_new_computed_blocks(
-        self, request_id: str, new_computed_blocks: BlockLists, total_computed_tokens: int
+        self,
+        request_id: str,
+        new_computed_blocks: BlockLists,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> None:
-        """Adopt hits in every group, then pad skipped positions, in two phases.
+        """Adopt hits in every group, then allocate blocks for external tokens, in two phases.
 
         Every group touches its hits before any group takes a block from the pool, so one
-        group's allocation can never evict another group's not yet adopted hit.
+        group's allocation can never evict another group's not yet adopted hit. A running
+        request (already admitted) adopts nothing.
         """
         managers = self.single_type_managers
+        if request_id in managers[0].num_cached_block:
+            return
         for manager, blocks in zip(managers, new_computed_blocks, strict=True):
-            manager.add_local_computed_blocks(request_id, blocks, total_computed_tokens)
-        for manager in managers:
-            manager.allocate_external_computed_blocks(request_id, total_computed_tokens)
+            manager.add_local_computed_blocks(
+                request_id, blocks, num_local_computed_tokens, num_external_computed_tokens
+            )
+        if num_external_computed_tokens > 0:
+            for group_id, manager in enumerate(managers):
+                manager.allocate_external_computed_blocks(
+                    request_id,
+                    num_local_computed_tokens,
+                    num_external_computed_tokens,
+                    record_for_zeroing=group_id not in skip_zeroing_group_ids,
+                )
 
     def allocate_new_blocks(
-        self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_encoder_tokens: int = 0,
+        num_tokens_main_model: int | None = None,
     ) -> tuple[list[KVCacheBlock], ...]:
         return tuple(
-            manager.allocate_new_blocks(
-                request_id, num_encoder_tokens if self._is_cross[group_id] else num_tokens
-            )
+            manager.allocate_new_blocks(request_id, num_encoder_tokens)
+            if self._is_cross[group_id]
+            else manager.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
             for group_id, manager in enumerate(self.single_type_managers)
         )
 
+    def get_num_cacheable_tokens(self, num_computed_tokens: int, group_id: int) -> int:
+        """The prefix of `num_computed_tokens` this group may hash now.
+
+        The last `num_reprefillable_tokens` may still be prefilled again (multi-module MTP).
+        """
+        return max(0, num_computed_tokens - self.num_reprefillable_tokens)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        for manager in self.single_type_managers:
+        boundaries: Sequence[int] = ()
+        if self.wants_replay_boundaries:
+            boundaries = replay_boundaries(
+                request.num_prompt_tokens,
+                self.single_type_managers[0].alignment_tokens,
+                bool(self.drop_eagle_group_ids),
+            )
+        for group_id, manager in enumerate(self.single_type_managers):
             if manager.enable_caching:
-                manager.cache_blocks(request, num_computed_tokens)
+                manager.cache_blocks(
+                    request,
+                    self.get_num_cacheable_tokens(num_computed_tokens, group_id),
+                    boundaries,
+                )
 
     # ------------------------------------------------------------------ freeing
 
@@ -162,13 +264,68 @@ class KVCacheCoordinator:
             for manager in self.single_type_managers
         ]
 
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        return tuple(
+            [block.block_id for block in blocks]
+            if isinstance(manager.kv_cache_spec, (CrossAttentionSpec, MambaSpec))
+            else [
+                block.block_id for block in blocks[: cdiv(num_computed_tokens, manager.block_size)]
+            ]
+            for manager, blocks in zip(
+                self.single_type_managers, self.get_blocks(request_id), strict=True
+            )
+        )
+
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        """Min over cacheable groups of the end of the request's last hashed block (0: none)."""
+        cached_tokens: int | None = None
+        for manager in self.single_type_managers:
+            if not manager.enable_caching:
+                continue
+            blocks = manager.req_to_blocks.get(request_id, ())
+            group_tokens = 0
+            for index in range(len(blocks) - 1, -1, -1):
+                if blocks[index].block_hash is not None:
+                    group_tokens = (index + 1) * manager.block_size
+                    break
+            if cached_tokens is None or group_tokens < cached_tokens:
+                cached_tokens = group_tokens
+        return cached_tokens or 0
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        for manager in self.single_type_managers:
+            if manager.new_block_ids is None:
+                continue
+            if start_token % manager.block_size:
+                raise InvalidArgumentError(
+                    f"start_token {start_token} is not a multiple of group "
+                    f"{manager.kv_cache_group_id}'s block size {manager.block_size}"
+                )
+            blocks = manager.req_to_blocks.get(request_id, ())
+            manager.new_block_ids.extend(
+                block.block_id for block in blocks[start_token // manager.block_size :]
+            )
+
+    def take_new_block_ids(self) -> list[int]:
+        ids: list[int] = []
+        for manager in self.single_type_managers:
+            ids.extend(manager.take_new_block_ids())
+        return ids
+
     def new_step_starts(self) -> None:
         for manager in self.single_type_managers:
             manager.new_step_starts()
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
+        """Hit blocks per group, the hit length, and the uncached common prefix length.
+
+        The last value is how far one group's hit reached past the reconciled hit: a shared
+        prefix that a sparse-retention group has not cached (0 with one group).
+        """
         raise NotImplementedError
 
     def check_invariants(self, held_outside: Iterable[KVCacheBlock] = ()) -> None:
@@ -202,8 +359,8 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        return tuple([] for _ in self.single_type_managers), 0
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
+        return tuple([] for _ in self.single_type_managers), 0, 0
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
@@ -219,16 +376,19 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                 f"block size ({spec.block_size})"
             )
         self._group_ids = (0,)
+        self._manager.use_eagle = 0 in self.drop_eagle_group_ids
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
         manager = self._manager
-        return manager.find_longest_cache_hit(
+        blocks, num_tokens = manager.find_longest_cache_hit(
             block_hashes,
             max_cache_hit_length,
             self._group_ids,
             self.block_pool,
             manager.kv_cache_spec,
             manager.alignment_tokens,
+            manager.use_eagle,
         )
+        return blocks, num_tokens, 0

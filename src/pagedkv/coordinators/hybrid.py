@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockResidencyObserver
-from pagedkv.coordinators.base import KVCacheCoordinator
+from pagedkv.coordinators.base import NO_SPEC_DECODE, KVCacheCoordinator
 from pagedkv.errors import ConfigError, InvariantViolation
 from pagedkv.eviction import EvictionConfig
 from pagedkv.managers import FullAttentionManager, MambaManager, SingleTypeKVCacheManager
-from pagedkv.specs import CrossAttentionSpec, KVCacheConfig, KVCacheSpec
+from pagedkv.specs import CrossAttentionSpec, KVCacheConfig, KVCacheSpec, SpecDecodeConfig, cdiv
 
 if TYPE_CHECKING:
     from pagedkv.request import Request
@@ -34,6 +34,7 @@ class SpecBucket:
     group_ids: tuple[int, ...]
     manager: SingleTypeKVCacheManager  # the first member; its hit search serves the bucket
     is_full_attention: bool  # hits are downward closed: any prefix of a hit is a hit
+    use_eagle: bool = False  # some member is a draft group: hits drop the EAGLE block
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
@@ -57,6 +58,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         metrics_collector: BlockResidencyObserver | None = None,
         scheduler_block_size: int | None = None,
         eviction: EvictionConfig | None = None,
+        spec_decode: SpecDecodeConfig = NO_SPEC_DECODE,
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if enable_caching:
@@ -90,8 +92,20 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             metrics_collector,
             alignment_tokens=self.scheduler_block_size,
             eviction=eviction,
+            spec_decode=spec_decode,
         )
         self.spec_buckets = self._make_buckets()
+        # "Full attention + one other type": the full-attention answer cannot be invalidated
+        # by the other type's shorter one, so one pass suffices.
+        self._is_simple_hybrid = (
+            len(self.spec_buckets) == 2 and self.spec_buckets[0].is_full_attention
+        )
+        # The first full-attention group (None without one): per-group hits are judged
+        # against it, as full attention is downward closed.
+        first = self.spec_buckets[0] if self.spec_buckets else None
+        self.full_attention_group_id = (
+            first.group_ids[0] if first is not None and first.is_full_attention else None
+        )
 
     def _make_buckets(self) -> tuple[SpecBucket, ...]:
         """Bucket cacheable groups by spec, full attention first, otherwise in group order."""
@@ -102,70 +116,128 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         buckets = []
         for group_ids in members.values():
             manager = self.single_type_managers[group_ids[0]]
-            if isinstance(manager, MambaManager):
-                # A hit is valid only if no member's block was cached this step: share one record.
-                for group_id in group_ids[1:]:
-                    member = self.single_type_managers[group_id]
-                    if isinstance(member, MambaManager):  # same spec, so always
-                        member.block_ids_cached_this_step = manager.block_ids_cached_this_step
+            use_eagle = any(group_id in self.drop_eagle_group_ids for group_id in group_ids)
+            if use_eagle:
+                for group_id in group_ids:
+                    self.single_type_managers[group_id].use_eagle = True
             buckets.append(
-                SpecBucket(tuple(group_ids), manager, isinstance(manager, FullAttentionManager))
+                SpecBucket(
+                    tuple(group_ids),
+                    manager,
+                    isinstance(manager, FullAttentionManager),
+                    use_eagle,
+                )
             )
         buckets.sort(key=lambda bucket: not bucket.is_full_attention)  # stable
         return tuple(buckets)
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
         """The longest prefix (at most `max_cache_hit_length` tokens) cached in every group.
 
-        A fixed point: each bucket in turn answers with its longest hit no longer than the
-        current candidate, which becomes the new candidate. It ends once every bucket agrees
-        with the candidate in a row. A full-attention bucket already asked agrees without a
-        second lookup (any prefix of its hit is a hit), so "full attention + one other type"
-        takes one lookup per bucket. Candidates only shrink, so the loop ends.
+        A fixed point, in passes over the buckets: each bucket answers with its longest hit no
+        longer than the current candidate, which becomes the new candidate; a pass that changes
+        nothing ends it (one pass for the simple hybrid). A full-attention bucket already asked
+        just clamps (any prefix of its hit is a hit). An EAGLE bucket looks one block further
+        and drops it, once per candidate length (a shrink by another bucket re-arms it).
+        Candidates only shrink, so the loop ends. Also returns how far the longest single
+        bucket reached past the result (the uncached common prefix).
         """
         buckets = self.spec_buckets
-        group_hits: list[list[KVCacheBlock]] = [[] for _ in self.single_type_managers]
-        num_buckets = len(buckets)
-        if not num_buckets or max_cache_hit_length <= 0:
-            return tuple(group_hits), 0
-        block_pool = self.block_pool
-        candidate = max_cache_hit_length
-        looked_up = [False] * num_buckets
-        num_agreeing = 0
-        index = 0
-        while num_agreeing < num_buckets:
-            bucket = buckets[index]
-            if bucket.is_full_attention and looked_up[index]:
-                num_agreeing += 1
-            else:
-                manager = bucket.manager
-                blocks, hit_length = manager.find_longest_cache_hit(
-                    block_hashes,
-                    candidate,
-                    bucket.group_ids,
-                    block_pool,
-                    manager.kv_cache_spec,
-                    manager.alignment_tokens,
+        num_groups = len(self.single_type_managers)
+        if not buckets or max_cache_hit_length <= 0:
+            return tuple([] for _ in range(num_groups)), 0, 0
+        max_hashed_tokens = len(block_hashes) * self.hash_block_size
+        group_hits: list[list[KVCacheBlock] | None] = [None] * num_groups
+        group_hit_lengths = [0] * num_groups
+        eagle_verified: set[int] = set()
+        hit_length = max_cache_hit_length
+        longest_hit_length = 0
+        while True:
+            candidate = hit_length
+            for index, bucket in enumerate(buckets):
+                first = bucket.group_ids[0]
+                if bucket.is_full_attention and group_hits[first] is not None:
+                    candidate = min(candidate, group_hit_lengths[first])
+                    continue
+                drop_eagle_block = bucket.use_eagle and index not in eagle_verified
+                blocks, new_length = self._bucket_hit(
+                    bucket, block_hashes, candidate, drop_eagle_block, max_hashed_tokens
                 )
-                looked_up[index] = True
+                if drop_eagle_block:
+                    eagle_verified.add(index)
+                elif new_length < candidate:
+                    eagle_verified.clear()  # a shorter candidate: EAGLE buckets drop again
+                candidate = new_length
                 for group_id, hits in zip(bucket.group_ids, blocks, strict=True):
                     group_hits[group_id] = hits
-                if hit_length < candidate:
-                    candidate = hit_length
-                    num_agreeing = 1
-                    if candidate == 0:
-                        return tuple([] for _ in self.single_type_managers), 0
-                else:
-                    num_agreeing += 1
-            index = index + 1 if index + 1 < num_buckets else 0
+                    group_hit_lengths[group_id] = new_length
+                if candidate > longest_hit_length:
+                    longest_hit_length = candidate
+            if candidate >= hit_length:
+                break
+            hit_length = candidate
+            if hit_length == 0:
+                # Every bucket would answer 0 from here on: no hit anywhere.
+                return tuple([] for _ in range(num_groups)), 0, longest_hit_length
+            if self._is_simple_hybrid:
+                break
         for bucket in buckets:
             if bucket.is_full_attention:
-                num_blocks = candidate // bucket.manager.block_size
+                num_blocks = cdiv(hit_length, bucket.manager.block_size)
                 for group_id in bucket.group_ids:
-                    del group_hits[group_id][num_blocks:]
-        return tuple(group_hits), candidate
+                    trimmed = group_hits[group_id]
+                    if trimmed is not None:
+                        del trimmed[num_blocks:]
+        return (
+            tuple(hits if hits is not None else [] for hits in group_hits),
+            hit_length,
+            longest_hit_length - hit_length,
+        )
+
+    def _bucket_hit(
+        self,
+        bucket: SpecBucket,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        drop_eagle_block: bool,
+        max_hashed_tokens: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """One bucket's longest hit within `max_length`; an EAGLE drop looks one block further
+        first (not Mamba: draft models have no Mamba layers, so it never drops)."""
+        manager = bucket.manager
+        if drop_eagle_block and not isinstance(manager, MambaManager):
+            max_length = min(max_length + manager.block_size, max_hashed_tokens)
+        return manager.find_longest_cache_hit(
+            block_hashes,
+            max_length,
+            bucket.group_ids,
+            self.block_pool,
+            manager.kv_cache_spec,
+            manager.alignment_tokens,
+            drop_eagle_block,
+        )
+
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], tuple[int, ...]]:
+        """Each bucket's own longest hit (no reconciliation): blocks and hit length per group.
+
+        For a KV connector that can restore one group's state past another's hit.
+        """
+        num_groups = len(self.single_type_managers)
+        group_hits: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]
+        group_hit_lengths = [0] * num_groups
+        max_hashed_tokens = len(block_hashes) * self.hash_block_size
+        for bucket in self.spec_buckets:
+            blocks, hit_length = self._bucket_hit(
+                bucket, block_hashes, max_cache_hit_length, bucket.use_eagle, max_hashed_tokens
+            )
+            for group_id, hits in zip(bucket.group_ids, blocks, strict=True):
+                group_hits[group_id] = hits
+                group_hit_lengths[group_id] = hit_length
+        return tuple(group_hits), tuple(group_hit_lengths)
 
     def check_invariants(self, held_outside: Iterable[KVCacheBlock] = ()) -> None:
         """The base's checks, plus: the buckets cover exactly the cacheable groups, by spec."""
@@ -180,20 +252,22 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 member = managers[group_id]
                 if member.kv_cache_spec != bucket.manager.kv_cache_spec:
                     raise InvariantViolation(f"group {group_id}'s spec differs from its bucket's")
-                first = bucket.manager
-                if (
-                    isinstance(member, MambaManager)
-                    and isinstance(first, MambaManager)
-                    and member.block_ids_cached_this_step is not first.block_ids_cached_this_step
-                ):
-                    raise InvariantViolation(f"Mamba group {group_id} keeps its own step record")
+
+    def get_num_cacheable_tokens(self, num_computed_tokens: int, group_id: int) -> int:
+        """`num_computed_tokens` rounded down to `scheduler_block_size`, where hits can end.
+
+        An EAGLE group may cache one block more (its hits look one block past the boundary),
+        of the tokens that cannot be prefilled again.
+        """
+        block = self.scheduler_block_size
+        num_aligned = num_computed_tokens // block * block
+        manager = self.single_type_managers[group_id]
+        if manager.use_eagle and num_aligned > 0:
+            num_final = max(0, num_computed_tokens - self.num_reprefillable_tokens)
+            return min(num_final, num_final // block * block + manager.block_size)
+        return num_aligned
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Cache full blocks up to `num_computed_tokens` rounded down to `scheduler_block_size`.
-
-        A hit can only end on such a boundary, so blocks past the last one are not hashed yet.
-        """
-        alignment = self.cache_alignment_tokens
-        num_tokens = num_computed_tokens // alignment * alignment
-        if num_tokens:
-            super().cache_blocks(request, num_tokens)
+        """Cache full blocks up to the cacheable tokens of each group (see above)."""
+        if num_computed_tokens >= self.scheduler_block_size:
+            super().cache_blocks(request, num_computed_tokens)

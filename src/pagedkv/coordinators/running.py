@@ -377,6 +377,15 @@ def make_running_allocator(
     managers = coordinator.single_type_managers
     if not managers or not all(_replays_base_steps(manager) for manager in managers):
         return None
+    # Speculative decoding (EAGLE's per-group cacheable tokens, re-prefillable tokens), sparse
+    # retention (replay boundaries) and the zeroing record change the steps replayed here.
+    if (
+        coordinator.num_reprefillable_tokens
+        or coordinator.drop_eagle_group_ids
+        or coordinator.wants_replay_boundaries
+        or any(manager.use_eagle or manager.new_block_ids is not None for manager in managers)
+    ):
+        return None
     if not all(
         getattr(type(coordinator), step) is getattr(KVCacheCoordinator, step)
         for step in (

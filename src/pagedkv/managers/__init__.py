@@ -11,7 +11,7 @@ from pagedkv.managers.base import SingleTypeKVCacheManager
 from pagedkv.managers.chunked_local import ChunkedLocalAttentionManager
 from pagedkv.managers.cross_attention import CrossAttentionManager
 from pagedkv.managers.full_attention import FullAttentionManager
-from pagedkv.managers.mamba import MambaManager
+from pagedkv.managers.mamba import MambaAlignManager, MambaManager, MambaNoCacheManager
 from pagedkv.managers.sliding_window import SlidingWindowManager
 from pagedkv.specs import (
     ChunkedLocalAttentionSpec,
@@ -38,10 +38,19 @@ def register_manager(
     _SPEC_TO_MANAGER[spec_class] = manager_class
 
 
+# Mamba's cache mode picks the class (one class per mode, not a mode flag in every method).
+_MAMBA_MODE_TO_MANAGER: dict[str, type[SingleTypeKVCacheManager]] = {
+    "none": MambaNoCacheManager,
+    "align": MambaAlignManager,
+}
+
+
 def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
-    """The manager class for a spec, found along the spec's MRO."""
+    """The manager class for a spec, found along the spec's MRO (Mamba: by cache mode)."""
     for klass in type(spec).__mro__:
         manager = _SPEC_TO_MANAGER.get(klass)
+        if manager is MambaManager and isinstance(spec, MambaSpec):
+            return _MAMBA_MODE_TO_MANAGER[spec.mamba_cache_mode]
         if manager is not None:
             return manager
     raise ConfigError(f"no KV-cache manager is registered for {type(spec).__name__}")
@@ -51,7 +60,9 @@ __all__ = [
     "ChunkedLocalAttentionManager",
     "CrossAttentionManager",
     "FullAttentionManager",
+    "MambaAlignManager",
     "MambaManager",
+    "MambaNoCacheManager",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "manager_class_for",

@@ -26,7 +26,9 @@ class SingleTypeKVCacheManager:
 
     Invariants: `req_to_blocks[r]` is request r's block table in position order (null blocks
     stand for skipped positions); `num_cached_block[r]` counts r's leading blocks already in
-    the prefix cache (null padding included) and is present once r has been allocated.
+    the prefix cache (null padding included) and is present once r has been allocated;
+    `new_block_ids` (None unless recording) lists blocks allocated since the last drain.
+    `use_eagle` is set by the coordinator: this group's hits drop the EAGLE block.
     """
 
     def __init__(
@@ -37,6 +39,8 @@ class SingleTypeKVCacheManager:
         enable_caching: bool = True,
         max_admission_blocks_per_request: int | None = None,
         alignment_tokens: int | None = None,
+        retention_interval: int | None = None,
+        record_new_block_ids: bool = False,
     ) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.block_size = kv_cache_spec.block_size
@@ -45,8 +49,11 @@ class SingleTypeKVCacheManager:
         self.enable_caching = enable_caching
         self.max_admission_blocks_per_request = max_admission_blocks_per_request
         self.alignment_tokens = alignment_tokens or kv_cache_spec.block_size
+        self.retention_interval = retention_interval
+        self.use_eagle = False
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        self.new_block_ids: list[int] | None = [] if record_new_block_ids else None
         self._null_block = block_pool.null_block
 
     # ------------------------------------------------------------------ counting
@@ -62,8 +69,12 @@ class SingleTypeKVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int,
         apply_admission_cap: bool = False,
+        num_tokens_main_model: int | None = None,
     ) -> int:
-        """Blocks to take from the free pool to hold `num_tokens`, counting evictable hits."""
+        """Blocks to take from the free pool to hold `num_tokens`, counting evictable hits.
+
+        `num_tokens_main_model` excludes lookahead (draft) slots; only Mamba "align" uses it.
+        """
         required = cdiv(num_tokens, self.block_size)
         cap = self.max_admission_blocks_per_request
         if apply_admission_cap and cap is not None and required > cap:
@@ -89,35 +100,57 @@ class SingleTypeKVCacheManager:
         self,
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
-        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
     ) -> None:
-        """Adopt prefix-hit blocks: touch them and put them (null-padded) in the table."""
-        if request_id in self.num_cached_block:
-            return
+        """Adopt prefix-hit blocks of a request that holds none: touch them, table them.
+
+        Positions no longer needed once the local and external tokens are computed (outside a
+        window) become the null block, even past the hits; the kept hits follow.
+        """
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
-        skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
-        num_null = min(max(skipped_blocks - len(req_blocks), 0), len(new_computed_blocks))
-        kept = new_computed_blocks[num_null:]
+        num_skipped_tokens = self.get_num_skipped_tokens(
+            num_local_computed_tokens + num_external_computed_tokens
+        )
+        num_skipped_blocks = num_skipped_tokens // self.block_size
+        kept = new_computed_blocks[num_skipped_blocks:]
         self.block_pool.touch(kept)
-        if num_null:
-            req_blocks.extend([self._null_block] * num_null)
+        if num_skipped_blocks:
+            req_blocks.extend([self._null_block] * num_skipped_blocks)
         req_blocks.extend(kept)
         self.num_cached_block[request_id] = len(req_blocks)
 
     def allocate_external_computed_blocks(
-        self, request_id: str, total_computed_tokens: int
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
     ) -> None:
-        """Pad the table with null blocks up to the positions no longer needed.
+        """Allocate blocks for tokens a KV connector loads (those still inside the window).
 
-        Phase two of admission (after every group adopted its hits): tokens loaded from outside
-        (a KV connector) that already fell out of the window need no block.
+        Phase two of admission, after every group adopted its hits, so no group's allocation
+        can evict another group's hit that is not adopted yet.
         """
-        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_total_tokens = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped_tokens = self.get_num_skipped_tokens(num_total_tokens)
+        if num_skipped_tokens > 0:
+            num_external_computed_tokens = min(
+                num_total_tokens - num_skipped_tokens, num_external_computed_tokens
+            )
+        if num_external_computed_tokens <= 0:
+            return
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
-        if len(req_blocks) < num_skipped_blocks:
-            req_blocks.extend([self._null_block] * (num_skipped_blocks - len(req_blocks)))
+        num_new = max(0, cdiv(num_total_tokens, self.block_size) - len(req_blocks))
+        if num_new:
+            new_blocks = self.block_pool.get_new_blocks(num_new)
+            req_blocks.extend(new_blocks)
+            if record_for_zeroing and self.new_block_ids is not None:
+                self.new_block_ids.extend(block.block_id for block in new_blocks)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None
+    ) -> list[KVCacheBlock]:
         """Append fresh blocks so the table covers `num_tokens`; return only the new ones."""
         req_blocks = self.req_to_blocks.get(request_id)
         if req_blocks is None:
@@ -127,13 +160,40 @@ class SingleTypeKVCacheManager:
             return EMPTY_BLOCK_LIST
         new_blocks = self.block_pool.get_new_blocks(num_new)
         req_blocks.extend(new_blocks)
+        if self.new_block_ids is not None:
+            self.new_block_ids.extend(block.block_id for block in new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Enter the request's full blocks up to `num_tokens` into the prefix cache."""
+    def take_new_block_ids(self) -> list[int]:
+        """Drain the ids of blocks allocated since the last call (empty unless recording)."""
+        ids = self.new_block_ids
+        if not ids:
+            return []
+        self.new_block_ids = []
+        return ids
+
+    def get_num_cacheable_blocks(self, request: Request, num_tokens: int) -> int:
+        """Full blocks of the first `num_tokens` tokens that have hashes.
+
+        A request's hashes may lag its tokens (with hash lookahead a block is hashed only once
+        the tokens after it exist): only blocks with a hash can be cached.
+        """
+        num_hashed_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
+        if num_hashed_tokens < num_tokens:
+            num_tokens = num_hashed_tokens
+        return num_tokens // self.block_size
+
+    def cache_blocks(
+        self, request: Request, num_tokens: int, replay_boundaries: Sequence[int] = ()
+    ) -> None:
+        """Enter the request's full, hashed blocks up to `num_tokens` into the prefix cache.
+
+        `replay_boundaries`: token positions a later request can resume at; a sparse-retention
+        manager keeps the blocks a hit there needs (`reachable_block_mask`).
+        """
         request_id = request.request_id
         num_cached = self.num_cached_block.get(request_id, 0)
-        num_full = num_tokens // self.block_size
+        num_full = self.get_num_cacheable_blocks(request, num_tokens)
         if num_full <= num_cached:
             return
         self.block_pool.cache_full_blocks(
@@ -144,8 +204,22 @@ class SingleTypeKVCacheManager:
             num_full,
             self.block_size,
             self.kv_cache_group_id,
+            self.reachable_block_mask(request, num_cached, num_full, replay_boundaries),
         )
         self.num_cached_block[request_id] = num_full
+
+    def reachable_block_mask(
+        self,
+        request: Request,
+        start_block: int,
+        end_block: int,
+        replay_boundaries: Sequence[int],
+    ) -> list[bool] | None:
+        """Which of blocks [start_block, end_block) a later hit can use; None: all of them.
+
+        Dense by default; sparse-retention managers (sliding window) keep only some.
+        """
+        return None
 
     def resolve_hashes(self, block_hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
         """The request's hashes at this group's block size."""
@@ -197,11 +271,13 @@ class SingleTypeKVCacheManager:
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         alignment_tokens: int,
+        drop_eagle_block: bool = False,
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Longest cached prefix of at most `max_length` tokens valid in every listed group.
 
-        Returns the hit blocks per group and the hit length in tokens (a multiple of
-        `alignment_tokens`).
+        With `drop_eagle_block` the last matched block is dropped (an EAGLE drafter must
+        recompute it). Returns the hit blocks per group and the hit length in tokens (a
+        multiple of `alignment_tokens`).
         """
         raise NotImplementedError
 

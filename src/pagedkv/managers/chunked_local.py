@@ -41,6 +41,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         alignment_tokens: int,
+        drop_eagle_block: bool = False,
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Null blocks up to the chunk of `max_length`, then cached blocks left to right.
 

@@ -42,11 +42,14 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         alignment_tokens: int,
+        drop_eagle_block: bool = False,
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Always raises `ConfigError`: cross-attention blocks are never cached."""
         raise ConfigError(_NOT_CACHEABLE.format(group=list(kv_cache_group_ids)))
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(
+        self, request: Request, num_tokens: int, replay_boundaries: Sequence[int] = ()
+    ) -> None:
         """Always raises `ConfigError`: cross-attention blocks are never cached."""
         raise ConfigError(_NOT_CACHEABLE.format(group=self.kv_cache_group_id))
 
@@ -54,7 +57,8 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         self,
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
-        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
     ) -> None:
         """Nothing to adopt; hit blocks are an error."""
         if new_computed_blocks:
@@ -62,4 +66,6 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
                 f"request {request_id!r}: {len(new_computed_blocks)} prefix-hit blocks passed "
                 f"to cross-attention group {self.kv_cache_group_id}, which is never cached"
             )
-        super().add_local_computed_blocks(request_id, new_computed_blocks, total_computed_tokens)
+        super().add_local_computed_blocks(
+            request_id, new_computed_blocks, num_local_computed_tokens, num_external_computed_tokens
+        )

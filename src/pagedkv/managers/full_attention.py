@@ -29,6 +29,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         alignment_tokens: int,
+        drop_eagle_block: bool = False,
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         block_size = kv_cache_spec.block_size
         hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
@@ -52,6 +53,12 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 for group_hits, block in zip(computed, cached, strict=True):
                     group_hits.append(block)
         hit_length = len(computed[0]) * block_size
+        if drop_eagle_block and hit_length:
+            # EAGLE recomputes the tokens just before the generation point: drop a block.
+            hit_length -= min(alignment_tokens, block_size)
+            if hit_length % alignment_tokens == 0:
+                for group_hits in computed:
+                    del group_hits[hit_length // block_size :]
         if alignment_tokens > block_size and hit_length % alignment_tokens:
             hit_length = hit_length // alignment_tokens * alignment_tokens
             num_kept = cdiv(hit_length, block_size)

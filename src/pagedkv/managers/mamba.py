@@ -1,102 +1,306 @@
-"""Mamba / SSM manager: a request needs only its latest state block; earlier states are freed
-(and stay prefix-cached) once processed. A cached state is reusable only at its exact boundary.
+"""Mamba / SSM managers, one class per cache mode of the reference (`MambaSpec.mamba_cache_mode`).
+
+A Mamba layer needs only the state after a request's last computed token. "none": no prefix
+caching; a request holds one state block (the spec's block size is `max_model_len`) plus its
+speculative blocks. "align": states at block boundaries are prefix-cached; a request holds at
+most two state blocks (the last one and the one being written) plus its speculative blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockPool
+from pagedkv.errors import ConfigError
 from pagedkv.hashing import resolve_block_hashes
-from pagedkv.managers.base import SingleTypeKVCacheManager
-from pagedkv.specs import KVCacheSpec
+from pagedkv.managers.base import EMPTY_BLOCK_LIST, SingleTypeKVCacheManager
+from pagedkv.specs import KVCacheSpec, MambaSpec, cdiv
 
 if TYPE_CHECKING:
     from pagedkv.request import Request
 
 
 class MambaManager(SingleTypeKVCacheManager):
-    """Mamba state blocks, one per block position.
-
-    The block at position j holds the state after the `(j + 1) * block_size` tokens up to its
-    end (the model writes the state at every block boundary a step crosses; the last block of a
-    step holds the state after the step's last token and is completed in place later). So a
-    full block is a valid prefix-cache entry, cached like an attention block. A request needs
-    only the state after its last computed token: `get_num_skipped_tokens(n) = n - 1`, so once
-    processed every earlier block is nulled and freed (still cached), leaving the latest state
-    block plus the blocks of the step being computed. For caching off, give the spec a
-    `block_size` of `max_model_len`: then a request holds exactly one state block.
-
-    Prefix hits: the rightmost state cached at an aligned boundary `<= max_length` wins, as
-    `[null] * i + [state]`, `(i + 1) * block_size` tokens. A block cached in the current step
-    (since the last `new_step_starts`) is a miss: blocks are cached when the step is scheduled,
-    and the state is written only when it runs, too late for another request of the same step.
-
-    Not supported (the reference's "align" mode): states only at scheduled-chunk ends,
-    speculative-decoding state blocks and their relocation, prefill checkpoints, copy-on-write
-    of partial-tail states; lookahead (draft) tokens are not rolled back.
-
-    Invariant (besides the base's): `block_ids_cached_this_step` lists blocks this manager
-    hashed since the last `new_step_starts`.
+    """What both Mamba modes share: only the state after the last computed token is needed,
+    and a hit is the rightmost state cached at an aligned boundary (no EAGLE drop: draft
+    models have no Mamba layers). `manager_class_for` picks a subclass by the spec's mode.
     """
 
     def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
-        # A set object that the hybrid coordinator shares between Mamba groups looked up
-        # together, so one group's fresh state makes the whole bucket miss.
-        self.block_ids_cached_this_step: set[int] = set()
+        self.num_speculative_blocks = cast(MambaSpec, kv_cache_spec).num_speculative_blocks
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """All but the last token: only the state after it is needed."""
         return max(0, num_computed_tokens - 1)
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Cache full state blocks up to `num_tokens`, remembering them for the same-step rule."""
-        request_id = request.request_id
-        num_cached = self.num_cached_block.get(request_id, 0)
-        num_full = num_tokens // self.block_size
-        if num_full <= num_cached:
-            return
-        null_block = self._null_block
-        fresh = [
-            block
-            for block in self.req_to_blocks[request_id][num_cached:num_full]
-            if block is not null_block and block.block_hash is None
-        ]
-        super().cache_blocks(request, num_tokens)
-        self.block_ids_cached_this_step.update(block.block_id for block in fresh)
-
-    # An instance method, unlike the base's classmethod: the same-step rule needs this
-    # manager's record of the blocks cached in the current step. Coordinators call it on the
-    # manager instance.
-    def find_longest_cache_hit(  # type: ignore[override]
-        self,
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
         block_hashes: Sequence[BlockHash],
         max_length: int,
         kv_cache_group_ids: Sequence[int],
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         alignment_tokens: int,
+        drop_eagle_block: bool = False,
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """The rightmost state cached at an aligned boundary `<= max_length`, in every group."""
+        """The rightmost state cached at an aligned boundary `<= max_length`, in every group.
+
+        Returns `[null] * i + [state]` per group and `(i + 1) * block_size` tokens.
+        """
         block_size = kv_cache_spec.block_size
         hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
-        step = alignment_tokens // block_size
-        max_num_blocks = min(max_length // block_size, len(hashes))
-        cached_this_step = self.block_ids_cached_this_step
         null_block = block_pool.null_block
-        for end in range(max_num_blocks // step * step, 0, -step):
-            cached = block_pool.get_cached_block(hashes[end - 1], kv_cache_group_ids)
-            if cached is None:
+        for index in range(min(max_length // block_size, len(hashes)) - 1, -1, -1):
+            cached = block_pool.get_cached_block(hashes[index], kv_cache_group_ids)
+            if cached is None or (index + 1) * block_size % alignment_tokens:
                 continue
-            # Lookups return the first block cached under a hash; if that one is from this
-            # step, so is every duplicate, and the state is not written yet.
-            if cached_this_step and any(b.block_id in cached_this_step for b in cached):
-                continue
-            return tuple([null_block] * (end - 1) + [block] for block in cached), end * block_size
+            num_tokens = (index + 1) * block_size
+            return tuple([null_block] * index + [block] for block in cached), num_tokens
         return tuple([] for _ in kv_cache_group_ids), 0
 
+
+class MambaNoCacheManager(MambaManager):
+    """Mamba in cache mode "none": one state block a request (plus speculative blocks).
+
+    The base's block arithmetic with `num_speculative_blocks` blocks' worth of tokens added;
+    with the reference's block size of `max_model_len` a request holds exactly
+    `1 + num_speculative_blocks` blocks from admission to the end. Never prefix-cached (a
+    `ConfigError` if caching is asked for).
+    """
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        if self.enable_caching:
+            raise ConfigError(
+                f"group {self.kv_cache_group_id}: Mamba prefix caching needs "
+                "mamba_cache_mode='align' (mode 'none' keeps no past states)"
+            )
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+        num_tokens_main_model: int | None = None,
+    ) -> int:
+        num_tokens += self.block_size * self.num_speculative_blocks
+        return super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens, apply_admission_cap
+        )
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None
+    ) -> list[KVCacheBlock]:
+        return super().allocate_new_blocks(
+            request_id, num_tokens + self.block_size * self.num_speculative_blocks
+        )
+
+
+class MambaAlignManager(MambaManager):
+    """Mamba in cache mode "align": the state at each block boundary a step ends on is cached.
+
+    The table has an entry per block position, but a step allocates a real block only for its
+    last position (plus, on the first allocation, the speculative blocks); positions in
+    between are null. The block written in the previous step (`last_state_block_idx`) is freed
+    once the request is processed past it; so is every real block before the last computed
+    token. The scheduler ends prefill chunks on block boundaries, so each full real block holds
+    the state at its end and is prefix-cached like an attention block.
+
+    A state hashed in the current step is written only when the step runs: a hit on it makes
+    `get_num_blocks_to_allocate` report more blocks than the pool has, so the request waits
+    for the next step (`cached_hashes_this_step`, cleared by `new_step_starts`).
+
+    Not implemented: sub-block (partial) hits and their copy-on-write, prefill checkpoint
+    blocks, boundary-state hand-offs to a KV connector.
+    """
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        # Request -> position of the state block written in the previous step.
+        self.last_state_block_idx: dict[str, int] = {}
+        # Request -> positions below this are already nulled and freed.
+        self._num_retired_blocks: dict[str, int] = {}
+        # Requests that got fresh blocks at least once (their speculative blocks exist).
+        self._allocated_block_reqs: set[str] = set()
+        self.cached_hashes_this_step: set[BlockHash] = set()
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+        num_tokens_main_model: int | None = None,
+    ) -> int:
+        """Blocks this step takes: at most one (plus the speculative ones the first time).
+
+        Lookahead (draft) tokens get no state block: draft models have no Mamba layers.
+        """
+        if new_computed_blocks and new_computed_blocks[-1].block_hash in (
+            self.cached_hashes_this_step
+        ):
+            # More than the pool holds: the hit's state is written only when this step runs.
+            return self.block_pool.num_gpu_blocks + 1
+        if num_tokens_main_model is not None:
+            num_tokens = num_tokens_main_model
+        req_blocks = self.req_to_blocks.get(request_id, EMPTY_BLOCK_LIST)
+        num_new = (
+            cdiv(num_tokens, self.block_size)
+            + self.num_speculative_blocks
+            - len(new_computed_blocks)
+            - len(req_blocks)
+        )
+        if num_new > 0:
+            cap = 1 if request_id in self._allocated_block_reqs else 1 + self.num_speculative_blocks
+            num_new = min(num_new, cap)
+        null_block = self._null_block
+        num_evictable = sum(
+            1 for block in new_computed_blocks if block.ref_cnt == 0 and block is not null_block
+        )
+        return num_new + num_evictable
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None
+    ) -> list[KVCacheBlock]:
+        """Null-pad to the step's last position and give it (and new speculative slots) blocks.
+
+        Returns the table's new entries, nulls and relocated speculative blocks included: a
+        worker's block table only grows, so it must see every position.
+        """
+        if num_tokens_main_model is not None:
+            num_tokens = num_tokens_main_model
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_spec = self.num_speculative_blocks
+        num_required = cdiv(num_tokens, self.block_size) + num_spec
+        if num_required <= len(req_blocks):
+            self._allocated_block_reqs.add(request_id)
+            return EMPTY_BLOCK_LIST
+        num_before = len(req_blocks)
+        allocated_before = request_id in self._allocated_block_reqs
+        if allocated_before:
+            self.last_state_block_idx[request_id] = num_before - 1 - num_spec
+        elif num_before:
+            self.last_state_block_idx[request_id] = num_before - 1  # the hit's state block
+        num_skipped = num_required - num_spec - 1
+        null_block = self._null_block
+        if num_before < num_skipped:
+            req_blocks.extend([null_block] * (num_skipped - num_before))
+        if allocated_before:
+            # Speculative blocks this step leaves behind move to the end of the table.
+            for index in range(num_before - num_spec, min(num_before, num_skipped)):
+                req_blocks.append(req_blocks[index])
+                req_blocks[index] = null_block
+        num_new = max(num_required - len(req_blocks), 0)
+        returned = req_blocks[num_before:]
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        req_blocks.extend(new_blocks)
+        self._allocated_block_reqs.add(request_id)
+        returned.extend(new_blocks)
+        return returned
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free every real block before the last computed token, and the previous state.
+
+        Freed in reverse (the longer prefix first, so it is evicted first); positions below
+        `_num_retired_blocks` were handled before and are not walked again.
+        """
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        null_block = self._null_block
+        num_skipped_blocks = min(
+            self.get_num_skipped_tokens(num_computed_tokens) // self.block_size, len(blocks)
+        )
+        first = self._num_retired_blocks.get(request_id, 0)
+        if first < num_skipped_blocks:
+            removed = []
+            for index in range(num_skipped_blocks - 1, first - 1, -1):
+                block = blocks[index]
+                if block is not null_block:
+                    removed.append(block)
+                    blocks[index] = null_block
+            if removed:
+                self.block_pool.free_blocks(removed)
+            self._num_retired_blocks[request_id] = num_skipped_blocks
+        last_state = self.last_state_block_idx.get(request_id)
+        if (
+            last_state is not None
+            and last_state < cdiv(num_computed_tokens, self.block_size) - 1
+            and blocks[last_state] is not null_block
+        ):
+            self.block_pool.free_blocks([blocks[last_state]])
+            blocks[last_state] = null_block
+
+    def cache_blocks(
+        self, request: Request, num_tokens: int, replay_boundaries: Sequence[int] = ()
+    ) -> None:
+        """Cache the full state blocks, remembering their hashes for the same-step rule."""
+        request_id = request.request_id
+        num_before = self.num_cached_block.get(request_id, 0)
+        super().cache_blocks(request, num_tokens, replay_boundaries)
+        num_after = self.num_cached_block.get(request_id, 0)
+        if num_after > num_before:
+            null_block = self._null_block
+            for block in self.req_to_blocks[request_id][num_before:num_after]:
+                if block is not null_block and block.block_hash is not None:
+                    self.cached_hashes_this_step.add(block.block_hash)
+
+    def reachable_block_mask(
+        self,
+        request: Request,
+        start_block: int,
+        end_block: int,
+        replay_boundaries: Sequence[int],
+    ) -> list[bool] | None:
+        """With a retention interval, only boundary states a later hit can use are cached.
+
+        Interval N > 0: the state ending each N-token segment; 0: none of those. Either way,
+        the states at the replay boundaries and at the shared-prefix boundary. None (cache
+        every state) without an interval, or when every block ends a segment.
+        """
+        interval = self.retention_interval
+        if interval is None:
+            return None
+        block_size = self.block_size
+        mask = [False] * (end_block - start_block)
+        if interval:
+            per_segment = interval // block_size
+            if per_segment <= 1:
+                return None
+            first = (start_block + per_segment) // per_segment * per_segment - 1
+            for index in range(first - start_block, len(mask), per_segment):
+                mask[index] = True
+        boundaries = list(replay_boundaries)
+        junction = request.shared_prefix_boundary
+        if junction:
+            boundaries.append(junction)
+            if self.use_eagle:
+                boundaries.append(junction - block_size)
+        alignment_tokens = self.alignment_tokens
+        for boundary in boundaries:
+            block_index = boundary // alignment_tokens * alignment_tokens // block_size - 1
+            if start_block <= block_index < end_block:
+                mask[block_index - start_block] = True
+        return mask
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        self._allocated_block_reqs.discard(request_id)
+        self.last_state_block_idx.pop(request_id, None)
+        self._num_retired_blocks.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
+
+    def free(self, request_id: str) -> None:
+        self._allocated_block_reqs.discard(request_id)
+        self.last_state_block_idx.pop(request_id, None)
+        self._num_retired_blocks.pop(request_id, None)
+        super().free(request_id)
+
     def new_step_starts(self) -> None:
-        self.block_ids_cached_this_step.clear()
+        self.cached_hashes_this_step.clear()

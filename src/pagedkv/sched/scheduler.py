@@ -288,6 +288,8 @@ class Scheduler:
             request = waiting.peek()
             hit = manager.get_computed_blocks(request)
             num_hit = hit.num_computed_tokens
+            # As vLLM's scheduler: sparse retention keeps the cached state at this junction.
+            request.shared_prefix_boundary = hit.shared_prefix_boundary
             if self._host_tier:
                 num_host = manager.get_num_host_hit_tokens(request, num_hit)
                 if num_host:

@@ -128,6 +128,7 @@ class _Reader:
 class _Context:
     block_size: int
     dtype_bytes: int
+    mamba_cache_mode: str = "none"
 
 
 # Family builders return (layer_to_spec, max_position_embeddings, max_num_encoder_input_tokens).
@@ -280,7 +281,10 @@ def _jamba(r: _Reader, ctx: _Context) -> _Built:
     d_inner = r.get_int("mamba_expand") * r.get_int("hidden_size")
     conv_shape = (d_inner, r.get_int("mamba_d_conv", minimum=2) - 1)
     mamba = MambaSpec(
-        ctx.block_size, (conv_shape, (d_inner, r.get_int("mamba_d_state"))), ctx.dtype_bytes
+        ctx.block_size,
+        (conv_shape, (d_inner, r.get_int("mamba_d_state"))),
+        ctx.dtype_bytes,
+        mamba_cache_mode=ctx.mamba_cache_mode,
     )
     attention = next(iter(_decoder_specs(r, ctx, ["full"]).values()))
     specs: dict[str, KVCacheSpec] = {}
@@ -309,7 +313,9 @@ def _nemotron_h(r: _Reader, ctx: _Context) -> _Built:
         (conv_dim, r.get_int("conv_kernel", minimum=2) - 1),
         (num_heads, head_dim, state_size),
     )
-    mamba = MambaSpec(ctx.block_size, shapes, ctx.dtype_bytes)
+    mamba = MambaSpec(
+        ctx.block_size, shapes, ctx.dtype_bytes, mamba_cache_mode=ctx.mamba_cache_mode
+    )
     default_head_dim = r.get("attention_head_dim")
     specs: dict[str, KVCacheSpec] = {}
     for i, mark in enumerate(pattern):
@@ -415,11 +421,14 @@ def describe_model(
     name: str | None = None,
     block_size: int = 16,
     dtype: str | None = None,
+    mamba_cache_mode: str = "none",
 ) -> ModelDescription:
     """Per-layer KV-cache specs of the model a parsed `config.json` describes.
 
     Args:
         dtype: KV-cache dtype override (`bf16`, `fp16`, `fp32`, `fp8`); default: the config's.
+        mamba_cache_mode: of Mamba layers, as the reference's `--mamba-cache-mode`: "none"
+            (its default without prefix caching), or "align" (what it picks with caching).
 
     Raises `ConfigError` naming `source` and the field for an unknown `model_type` or a
     missing or malformed field.
@@ -442,7 +451,9 @@ def describe_model(
         )
     dtype_name = _config_dtype(r) if dtype is None else dtype.lower().removeprefix("torch.")
     dtype_bytes = get_dtype_bytes(dtype_name)
-    layer_to_spec, max_len, encoder_len = builder(r, _Context(block_size, dtype_bytes))
+    layer_to_spec, max_len, encoder_len = builder(
+        r, _Context(block_size, dtype_bytes, mamba_cache_mode)
+    )
     if max_len is not None and (not isinstance(max_len, int) or max_len <= 0):
         raise ConfigError(f"{source}: field 'max_position_embeddings' must be a positive integer")
     return ModelDescription(
@@ -491,7 +502,11 @@ def _read_config_text(config: str | os.PathLike[str]) -> tuple[str, str, str]:
 
 
 def load_model_description(
-    config: str | os.PathLike[str], *, block_size: int = 16, dtype: str | None = None
+    config: str | os.PathLike[str],
+    *,
+    block_size: int = 16,
+    dtype: str | None = None,
+    mamba_cache_mode: str = "none",
 ) -> ModelDescription:
     """Read a `config.json` (a path, a model directory or a shipped name) and describe it."""
     text, source, name = _read_config_text(config)
@@ -499,4 +514,11 @@ def load_model_description(
         parsed = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{source}: not valid JSON: {exc}") from exc
-    return describe_model(parsed, source=source, name=name, block_size=block_size, dtype=dtype)
+    return describe_model(
+        parsed,
+        source=source,
+        name=name,
+        block_size=block_size,
+        dtype=dtype,
+        mamba_cache_mode=mamba_cache_mode,
+    )

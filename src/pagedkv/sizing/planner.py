@@ -150,8 +150,9 @@ def _raise_attention_above_mamba(specs: dict[str, KVCacheSpec]) -> None:
 
     Padding a small attention page up to a large Mamba state would waste most of every
     attention block; growing the block instead wastes at most one block size's worth in the
-    Mamba page, which is then padded. Mamba specs take the largest attention block size, so a
-    state block lines up with attention blocks for prefix caching.
+    Mamba page, which is then padded. Mamba specs in "align" mode take the largest attention
+    block size, so a state block lines up with attention blocks for prefix caching ("none"
+    mode specs get the model length in `size_kv_cache`).
     """
     mamba_page = max(s.page_size_bytes for s in specs.values() if isinstance(s, MambaSpec))
     block_sizes = []
@@ -165,7 +166,7 @@ def _raise_attention_above_mamba(specs: dict[str, KVCacheSpec]) -> None:
             block_sizes.append(spec.block_size)
     if block_sizes:
         for name, spec in specs.items():
-            if isinstance(spec, MambaSpec):
+            if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
                 specs[name] = replace(spec, block_size=max(block_sizes))
 
 
@@ -445,6 +446,24 @@ def get_max_concurrency(
     return kv_cache_config.num_blocks / num_blocks_per_request
 
 
+def _one_block_mamba_states(layout: KVCacheLayout, max_model_len: int) -> KVCacheLayout:
+    """Give Mamba specs in "none" mode a block of `max_model_len` tokens, as the reference
+    does: one block then holds a request's state whatever its length."""
+
+    def resized(spec: KVCacheSpec) -> KVCacheSpec:
+        if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "none":
+            return replace(spec, block_size=max_model_len)
+        return spec
+
+    if not any(resized(group.kv_cache_spec) is not group.kv_cache_spec for group in layout.groups):
+        return layout
+    groups = tuple(
+        replace(group, kv_cache_spec=resized(group.kv_cache_spec)) for group in layout.groups
+    )
+    layer_to_spec = {name: resized(spec) for name, spec in layout.layer_to_spec.items()}
+    return KVCacheLayout(groups, MappingProxyType(layer_to_spec))
+
+
 @dataclass(frozen=True)
 class SizingResult:
     """Everything `size_kv_cache` worked out, for reports and for building a manager."""
@@ -492,7 +511,9 @@ def size_kv_cache(
     Raises:
         NotEnoughMemoryError: one request of `max_model_len` tokens does not fit.
     """
-    layout = get_kv_cache_layout(layer_to_spec, disable_hybrid=disable_hybrid)
+    layout = _one_block_mamba_states(
+        get_kv_cache_layout(layer_to_spec, disable_hybrid=disable_hybrid), max_model_len
+    )
     check_enough_memory(
         layout,
         available_memory_bytes,

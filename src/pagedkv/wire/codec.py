@@ -80,16 +80,17 @@ def _structs() -> Any:
         ("group_idx", int | None, None),
         ("kv_cache_spec_kind", str | None, None),
         ("kv_cache_spec_sliding_window", int | None, None),
-        ("locality", Any, None),
-        ("ownership", Any, None),
+        ("locality", str | None, None),
+        ("ownership", str | None, None),
         ("session_id", str | None, None),
+        ("lookahead_token_ids", list[list[int]] | None, None),
     ]
     removed_fields = [
         ("block_hashes", list[hash_type]),
         ("medium", str | None),
         ("group_idx", int | None, None),
-        ("locality", Any, None),
-        ("ownership", Any, None),
+        ("locality", str | None, None),
+        ("ownership", str | None, None),
     ]
 
     def event_types(array_like: bool) -> tuple[type, type, type]:
@@ -190,12 +191,19 @@ class EventEncoder:
                 event.group_idx,
                 event.kv_cache_spec_kind,
                 event.kv_cache_spec_sliding_window,
-                None,
-                None,
+                event.locality,
+                event.ownership,
                 event.session_id,
+                event.lookahead_token_ids,
             )
         if kind is BlockRemoved:
-            return self._removed(convert(event.block_hashes), event.medium, event.group_idx)
+            return self._removed(
+                convert(event.block_hashes),
+                event.medium,
+                event.group_idx,
+                event.locality,
+                event.ownership,
+            )
         if kind is AllBlocksCleared:
             return self._cleared()
         raise InvalidArgumentError(f"cannot encode {event!r}: not a KV-cache event")
@@ -320,10 +328,15 @@ class EventDecoder:
                 group_idx=value.group_idx,
                 kv_cache_spec_kind=value.kv_cache_spec_kind,
                 kv_cache_spec_sliding_window=value.kv_cache_spec_sliding_window,
+                locality=value.locality,
+                ownership=value.ownership,
                 session_id=value.session_id,
+                lookahead_token_ids=value.lookahead_token_ids,
             )
         if tag == "BlockRemoved":
-            return BlockRemoved(value.block_hashes, value.medium, value.group_idx)
+            return BlockRemoved(
+                value.block_hashes, value.medium, value.group_idx, value.locality, value.ownership
+            )
         return AllBlocksCleared()
 
 

@@ -154,5 +154,10 @@ def _slice_stored(event: BlockStored, start: int, end: int) -> BlockStored:
         group_idx=event.group_idx,
         kv_cache_spec_kind=event.kv_cache_spec_kind,
         kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+        locality=event.locality,
+        ownership=event.ownership,
         session_id=event.session_id,
+        lookahead_token_ids=(
+            None if event.lookahead_token_ids is None else event.lookahead_token_ids[start:end]
+        ),
     )

@@ -1,0 +1,144 @@
+"""vLLM's `KVCacheConfig` translated to pagedkv's: groups, block sizes and the attention types.
+
+Each vLLM spec maps to the pagedkv spec whose manager behaves as vLLM's manager for it. A spec
+pagedkv does not implement is refused here, at construction, with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec as VllmChunkedLocalSpec
+from vllm.v1.kv_cache_interface import CrossAttentionSpec as VllmCrossAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec as VllmFullAttentionSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig as VllmKVCacheConfig
+from vllm.v1.kv_cache_interface import KVCacheSpec as VllmKVCacheSpec
+from vllm.v1.kv_cache_interface import MambaSpec as VllmMambaSpec
+from vllm.v1.kv_cache_interface import MLAAttentionSpec as VllmMLASpec
+from vllm.v1.kv_cache_interface import SlidingWindowSpec as VllmSlidingWindowSpec
+from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+from pagedkv.errors import ConfigError
+from pagedkv.specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+# vLLM specs whose manager pagedkv does not implement, with the reason given to the user.
+_UNSUPPORTED_NAMES = {
+    "RSWASpec": "R-SWA (gap eviction between prompt and decode window)",
+    "CircularBufferSpec": "circular-buffer scratch groups",
+    "HiSparseHotSpec": "HiSparse host-tier groups",
+    "HiSparseResidentSpec": "HiSparse host-tier groups",
+    "EncoderOnlyAttentionSpec": "encoder-only attention groups",
+}
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _attention_fields(spec: VllmAttentionSpec) -> dict:
+    """The fields pagedkv's attention specs share, with vLLM's page size kept when it fits."""
+    return {
+        "block_size": spec.block_size,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_size": spec.head_size,
+        "dtype_bytes": _dtype_bytes(spec.dtype),
+        "head_size_v": spec.head_size_v,
+    }
+
+
+def _with_page_size(spec: KVCacheSpec, page_size_bytes: int) -> KVCacheSpec:
+    """Carry vLLM's page size over when pagedkv's own formula does not exceed it.
+
+    Page sizes are informational for the manager (it counts blocks, not bytes).
+    """
+    real = getattr(spec, "real_page_size_bytes", None)
+    if real is None or page_size_bytes == real or page_size_bytes < real:
+        return spec
+    return type(spec)(**{**spec.__dict__, "page_size_padded": page_size_bytes})
+
+
+def translate_spec(spec: VllmKVCacheSpec) -> KVCacheSpec:
+    """pagedkv's spec for one vLLM spec; `ConfigError` for attention types pagedkv lacks."""
+    name = type(spec).__name__
+    if name in _UNSUPPORTED_NAMES:
+        raise ConfigError(f"pagedkv does not implement {_UNSUPPORTED_NAMES[name]} ({name})")
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        # The scheduler's config carries one member spec per group; a uniform-type group
+        # manages blocks exactly as its members do.
+        return translate_spec(next(iter(spec.kv_cache_specs.values())))
+    if spec.prefix_replay_tokens:
+        raise ConfigError(f"pagedkv does not implement bounded prefix replay ({name})")
+    translated: KVCacheSpec
+    if isinstance(spec, VllmMambaSpec):
+        # vLLM pairs shapes with dtypes (zip): a shape without a dtype takes no bytes.
+        pairs = list(zip(spec.shapes, spec.dtypes, strict=False))
+        translated = MambaSpec(
+            spec.block_size,
+            tuple(tuple(shape) for shape, _ in pairs),
+            tuple(_dtype_bytes(dtype) for _, dtype in pairs),
+            mamba_cache_mode=spec.mamba_cache_mode,
+            num_speculative_blocks=spec.num_speculative_blocks,
+        )
+        if spec.num_prefill_checkpoint_blocks:
+            raise ConfigError(
+                "pagedkv does not implement Mamba prefill checkpoint blocks "
+                f"(num_prefill_checkpoint_blocks={spec.num_prefill_checkpoint_blocks})"
+            )
+    elif isinstance(spec, VllmSlidingWindowSpec):
+        if spec.extra_retained_tokens:
+            raise ConfigError(
+                "pagedkv does not implement sliding-window extra_retained_tokens "
+                f"({spec.extra_retained_tokens}, multi-module MTP re-prefill)"
+            )
+        translated = SlidingWindowSpec(
+            **_attention_fields(spec), sliding_window=spec.sliding_window
+        )
+    elif isinstance(spec, VllmChunkedLocalSpec):
+        translated = ChunkedLocalAttentionSpec(
+            **_attention_fields(spec), attention_chunk_size=spec.attention_chunk_size
+        )
+    elif isinstance(spec, VllmCrossAttentionSpec):
+        translated = CrossAttentionSpec(**_attention_fields(spec))
+    elif isinstance(spec, VllmMLASpec):
+        fields = _attention_fields(spec)
+        del fields["head_size_v"]
+        translated = MLAAttentionSpec(**fields)
+    elif isinstance(spec, VllmFullAttentionSpec):
+        translated = FullAttentionSpec(
+            **_attention_fields(spec),
+            sliding_window=spec.sliding_window,
+            attention_chunk_size=spec.attention_chunk_size,
+        )
+    else:
+        raise ConfigError(f"pagedkv has no KV-cache manager for vLLM's {name}")
+    return _with_page_size(translated, spec.page_size_bytes)
+
+
+def translate_config(config: VllmKVCacheConfig) -> KVCacheConfig:
+    """pagedkv's `KVCacheConfig` for vLLM's (same block count, groups in the same order)."""
+    for group_id, group in enumerate(config.kv_cache_groups):
+        if group.host_resident:
+            raise ConfigError(f"group {group_id} is host-resident (HiSparse); not implemented")
+    return KVCacheConfig(
+        num_blocks=config.num_blocks,
+        kv_cache_groups=tuple(
+            KVCacheGroupSpec(
+                tuple(group.layer_names),
+                translate_spec(group.kv_cache_spec),
+                is_eagle_group=group.is_eagle_group,
+            )
+            for group in config.kv_cache_groups
+        ),
+        prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+        needs_kv_cache_zeroing=config.needs_kv_cache_zeroing,
+    )

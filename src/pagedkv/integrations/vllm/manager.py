@@ -1,0 +1,317 @@
+"""`PagedKVCacheManager`: vLLM 0.33's `KVCacheManager` interface, answered by pagedkv's core.
+
+vLLM's `Scheduler` builds it with the same 16 keyword arguments it gives its own manager, with
+vLLM's `KVCacheConfig` and `Request` objects. Requests reach the core as views sharing their
+token and hash lists; results come back as pagedkv's `KVCacheBlocks` (the same methods as
+vLLM's), statistics as vLLM's `PrefixCacheStats`, events as vLLM's event types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    MambaSpec,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request
+
+from pagedkv.block import KVCacheBlock
+from pagedkv.errors import ConfigError
+from pagedkv.events import BlockStored
+from pagedkv.integrations.vllm.config import translate_config
+from pagedkv.integrations.vllm.events import to_vllm_events
+from pagedkv.integrations.vllm.requests import existing_view, sync_view
+from pagedkv.integrations.vllm.views import BlockPoolView, CoordinatorView
+from pagedkv.kv_cache_blocks import ComputedBlocks, KVCacheBlocks
+from pagedkv.kv_cache_manager import KVCacheManager
+
+
+def _event_metadata(kv_cache_config: KVCacheConfig) -> tuple[tuple[str, int | None], ...]:
+    """Per group, the spec kind and window vLLM annotates its `BlockStored` events with."""
+    return tuple(
+        (
+            get_kv_cache_spec_kind(group.kv_cache_spec).value,
+            get_kv_cache_spec_sliding_window(group.kv_cache_spec),
+        )
+        for group in kv_cache_config.kv_cache_groups
+    )
+
+
+class PagedKVCacheManager:
+    """vLLM's KV-cache manager interface on pagedkv.
+
+    Invariant: `core` owns every block; this class keeps only vLLM-facing state (the
+    `PrefixCacheStats` object and the event metadata) and never changes a block itself.
+    Not supported (refused at construction): decode/prefill context parallelism > 1, the
+    Mamba shared-prefix checkpoint, and the spec types `config.translate_spec` lists.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: object | None = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+    ) -> None:
+        self.core = KVCacheManager(
+            translate_config(kv_cache_config),
+            max_model_len,
+            scheduler_block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
+            max_in_flight_tokens=max_in_flight_tokens,
+            enable_caching=enable_caching,
+            use_eagle=use_eagle,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            num_prefill_lookahead=num_prefill_lookahead,
+            enable_kv_cache_events=enable_kv_cache_events,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            metrics_collector=metrics_collector,  # type: ignore[arg-type]
+            watermark=watermark,
+        )
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = metrics_collector
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.hash_block_size = hash_block_size
+        # pagedkv has no sub-block hash hits, which the shared-prefix checkpoint needs.
+        self.mamba_shared_prefix_checkpoint = False
+        del enable_mamba_shared_prefix_checkpoint
+        groups = kv_cache_config.kv_cache_groups
+        self.num_kv_cache_groups = len(groups)
+        self.coordinator = CoordinatorView.for_coordinator(
+            self.core.coordinator, [group.kv_cache_spec for group in groups]
+        )
+        self.block_pool = BlockPoolView(self.core.block_pool)
+        self.retained_hit_group_ids: tuple[int, ...] = ()
+        self.watermark_blocks = self.core.watermark_blocks
+        self.kv_cache_event_metadata = _event_metadata(kv_cache_config)
+        self.empty_kv_cache_blocks = self.core.empty_kv_cache_blocks
+        self._is_mamba = tuple(isinstance(group.kv_cache_spec, MambaSpec) for group in groups)
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def usage(self) -> float:
+        return self.core.usage
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Return the stats gathered since the last call and start new ones (None if off)."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> ComputedBlocks:
+        return self.core.get_computed_blocks(
+            sync_view(request, self.hash_block_size), max_cache_hit_length
+        )
+
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """The local hit for a connector that can restore Mamba state (vLLM 0.33's rule).
+
+        On a Mamba + full-attention model the full-attention hit is reported, with
+        `hit_diverged` when a lagging group hit less; if a group hit deeper than full
+        attention (its blocks were evicted), the reconciled hit of `get_computed_blocks`.
+        """
+        coordinator = self.core.coordinator
+        full_group_id = getattr(coordinator, "full_attention_group_id", None)
+        if not (self.kv_cache_config.has_mamba_layers and full_group_id is not None):
+            return *self.get_computed_blocks(request, max_cache_hit_length), False
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0, False
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        blocks, hit_lengths = coordinator.find_longest_cache_hit_per_group(  # type: ignore[attr-defined]
+            request.block_hashes, max_cache_hit_length
+        )
+        num_local = hit_lengths[full_group_id]
+        if any(hit_length > num_local for hit_length in hit_lengths):
+            return *self.get_computed_blocks(request, max_cache_hit_length), False
+        result = self.core.create_kv_cache_blocks(blocks)
+        return result, num_local, 0, min(hit_lengths) < num_local
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return self.core.get_blocks(request_id)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.core.get_block_ids(request_id)
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        """Block ids per group; attention groups clipped to the blocks of the computed tokens."""
+        return self.core.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        """Tokens of the request's prefix that are in the prefix cache (min over groups)."""
+        return self.core.estimate_cached_tokens(sync_view(request, self.hash_block_size))
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Deprecated in vLLM 0.33 (cascade attention was removed): zeros, as vLLM returns."""
+        return [0] * self.num_kv_cache_groups
+
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
+        return self.core.create_kv_cache_blocks(blocks)
+
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
+        """The lookup result cut at `num_computed_tokens` (Mamba groups keep what they have)."""
+        truncated: list[Sequence[KVCacheBlock]] = []
+        for group_id, group_blocks in enumerate(blocks.blocks):
+            group = self.kv_cache_config.kv_cache_groups[group_id]
+            if not group.kv_cache_spec.prefix_cacheable:
+                truncated.append([])
+                continue
+            block_size = self.core.coordinator.single_type_managers[group_id].block_size
+            if num_computed_tokens % block_size:
+                raise ConfigError(
+                    f"cannot truncate a hit at {num_computed_tokens} tokens: not a multiple of "
+                    f"group {group_id}'s block size {block_size}"
+                )
+            num_blocks = num_computed_tokens // block_size
+            if self._is_mamba[group_id]:
+                num_blocks = min(num_blocks, len(group_blocks))
+            truncated.append(list(group_blocks[:num_blocks]))
+        return self.core.create_kv_cache_blocks(tuple(truncated))
+
+    # ------------------------------------------------------------------ allocation
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        return self.core.allocate_slots(
+            sync_view(request, self.hash_block_size),
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+            skip_zeroing_group_ids,
+        )
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        if self.enable_caching:
+            self.core.cache_blocks(sync_view(request, self.hash_block_size), num_computed_tokens)
+
+    # ------------------------------------------------------------------ freeing
+
+    def free(self, request: Request) -> None:
+        view = existing_view(request)
+        if view is not None:
+            self.core.free(view)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        view = existing_view(request)
+        if view is None:
+            return []
+        return self.core.pop_blocks_for_free(view)
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        self.core.remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.core.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.core.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def new_step_starts(self) -> None:
+        self.core.new_step_starts()
+
+    # ------------------------------------------------------------------ worker hand-offs
+
+    def take_events(self) -> list:
+        """Drain the events as vLLM's types, `BlockStored` annotated with the group's kind."""
+        events = self.core.block_pool.take_events()
+        if not events:
+            return []
+        metadata = self.kv_cache_event_metadata
+        for event in events:
+            if type(event) is BlockStored and event.group_idx is not None:
+                kind, sliding_window = metadata[event.group_idx]
+                event.kv_cache_spec_kind = kind
+                event.kv_cache_spec_sliding_window = sliding_window
+        return to_vllm_events(events)
+
+    def take_new_block_ids(self) -> list[int]:
+        """New attention blocks since the last call, for the worker to zero."""
+        return self.core.take_new_block_ids()
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        self.core.record_blocks_for_zeroing(request_id, start_token)
+
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """No copy-on-write: pagedkv never hits inside a block."""
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """No Mamba boundary-state hand-offs (a connector feature pagedkv does not implement)."""
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        return []
