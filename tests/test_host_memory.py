@@ -152,11 +152,14 @@ def test_available_memory_respects_ulimit_v():
 def test_a_manager_without_groups_manages_nothing_as_the_reference():
     # An attention-free model keeps no KV cache: vLLM still builds its manager (with the
     # no-prefix-cache coordinator) and every request gets empty tables; the drop-in must too.
+    # Nothing is hashed, so any hasher (or none) is fine: no misleading block-size error later.
     manager = KVCacheManager(KVCacheConfig(num_blocks=10, kv_cache_groups=[]), max_model_len=100)
-    hasher = make_request_block_hasher(manager.hash_block_size)
-    request = Request("a", [1, 2, 3], block_hasher=hasher)
+    request = Request("a", [1, 2, 3], block_hasher=make_request_block_hasher(16))
     assert manager.get_computed_blocks(request).num_computed_tokens == 0
     assert manager.allocate_slots(request, 3).blocks == ()
     assert manager.get_block_ids("a") == ()
     manager.free(request)
     assert manager.usage == 0.0
+    unhashed = Request("b", [1, 2, 3])
+    assert manager.allocate_slots(unhashed, 3).blocks == ()
+    manager.free(unhashed)

@@ -133,7 +133,9 @@ class KVCacheManager:
             self.coordinator.single_type_managers,
             self.block_pool,
             max_model_len,
-            enable_caching,
+            # No groups (an attention-free model, accepted as the reference accepts it): nothing
+            # is ever hashed or cached, so a request's hasher is neither needed nor checked.
+            enable_caching and bool(groups),
             hash_block_size,
             self.empty_kv_cache_blocks,
         )
