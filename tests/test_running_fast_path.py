@@ -63,6 +63,13 @@ CONFIGS: dict[str, tuple[Callable[[], KVCacheManager], int, type]] = {
         4,
         MultiGroupRunningAllocator,
     ),
+    "sparse retention: window 5 under alignment 16 (vLLM 0.33 masks)": (
+        lambda: make_manager(
+            48, full(4), swa(4, 5), scheduler_block_size=16, enable_kv_cache_events=True
+        ),
+        4,
+        MultiGroupRunningAllocator,
+    ),
     "one full-attention group": (
         lambda: make_manager(16, full(4), enable_kv_cache_events=True),
         4,
@@ -270,4 +277,29 @@ def test_configurations_without_a_replayable_manager_keep_the_general_path():
     from hybrid_support import mamba
 
     manager = make_manager(32, full(8), mamba(8))
+    assert manager._running_allocator is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "interval"),
+    [
+        ({"use_eagle": True}, None),
+        ({"num_prefill_lookahead": 2}, None),
+        ({}, 32),
+    ],
+    ids=["EAGLE", "re-prefillable tokens", "retention interval"],
+)
+def test_configurations_the_fast_path_does_not_replay_take_the_general_path(kwargs, interval):
+    # EAGLE's per-group cacheable tokens, re-prefillable tokens and a retention interval's
+    # replay boundaries change the steps the running allocator replays: it must not be built.
+    from dataclasses import replace
+
+    from hybrid_support import config
+
+    kv_cache_config = replace(
+        config(48, full(4), swa(4, 5)), prefix_cache_retention_interval=interval
+    )
+    manager = KVCacheManager(
+        kv_cache_config, max_model_len=MAX_MODEL_LEN, scheduler_block_size=16, **kwargs
+    )
     assert manager._running_allocator is None

@@ -109,9 +109,11 @@ class KVCacheCoordinator:
                     f"group {group_id} is chunked local attention: EAGLE's last-block drop is "
                     "not supported there (as in the reference)"
                 )
-        # Sparse-retention managers need the positions a later request can resume at.
+        # Sparse-retention managers with a retention interval keep the blocks at the positions
+        # a later request can resume at; without one their masks ignore those positions.
         self.wants_replay_boundaries = any(
             type(manager).reachable_block_mask is not SingleTypeKVCacheManager.reachable_block_mask
+            and manager.retention_interval is not None
             for manager in managers
         )
 

@@ -377,8 +377,9 @@ def make_running_allocator(
     managers = coordinator.single_type_managers
     if not managers or not all(_replays_base_steps(manager) for manager in managers):
         return None
-    # Speculative decoding (EAGLE's per-group cacheable tokens, re-prefillable tokens), sparse
-    # retention (replay boundaries) and the zeroing record change the steps replayed here.
+    # Speculative decoding (EAGLE's per-group cacheable tokens, re-prefillable tokens), a
+    # retention interval (replay boundaries) and the zeroing record change the steps replayed
+    # here. (Sparse masks without an interval are the managers' own: `cache_blocks` applies them.)
     if (
         coordinator.num_reprefillable_tokens
         or coordinator.drop_eagle_group_ids
