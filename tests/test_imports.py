@@ -39,6 +39,9 @@ LAYERS: dict[str, int] = {
     "sizing": 4,  # model configs -> per-layer specs -> KVCacheConfig (stdlib)
     "eviction": 6,  # eviction policies, retention levels, host tier (stdlib): the pool's order
     # the pool and what sits on it
+    "block_pool_inspect": 8,  # the pool's read-only half and argument checks
+    "block_pool_general": 8,  # the general twins of the pool's hot methods
+    "block_pool_events": 8,  # the pool's BlockStored event building
     "block_pool": 10,
     "managers": 20,
     "coordinators": 30,
@@ -73,6 +76,9 @@ CORE = {
     "retention",
     "sizing",
     "eviction",
+    "block_pool_inspect",
+    "block_pool_general",
+    "block_pool_events",
     "block_pool",
     "managers",
     "coordinators",
@@ -89,6 +95,9 @@ LAZY_EXTRAS: dict[str, set[str]] = {
 
 # Leaves must never reach these, whatever their ranks become.
 ABOVE_LEAVES = {
+    "block_pool_inspect",
+    "block_pool_general",
+    "block_pool_events",
     "block_pool",
     "managers",
     "coordinators",
