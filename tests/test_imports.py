@@ -47,6 +47,9 @@ LAYERS: dict[str, int] = {
     "coordinators": 30,
     "kv_cache_blocks": 4,  # the facade's result types (block + errors only)
     "admission": 35,  # the facade's argument checks
+    "kv_cache_manager_reports": 38,  # the facade's reads, stats, events and invariants
+    "kv_cache_manager_host": 38,  # the facade's host-tier methods
+    "kv_cache_manager_replay": 38,  # the facade's keys-only replay entry point
     "kv_cache_manager": 40,
     "__init__": 45,  # the package root re-exports the core
     # above the core
@@ -84,6 +87,9 @@ CORE = {
     "coordinators",
     "kv_cache_blocks",
     "admission",
+    "kv_cache_manager_reports",
+    "kv_cache_manager_host",
+    "kv_cache_manager_replay",
     "kv_cache_manager",
     "__init__",
 }
@@ -101,6 +107,9 @@ ABOVE_LEAVES = {
     "block_pool",
     "managers",
     "coordinators",
+    "kv_cache_manager_reports",
+    "kv_cache_manager_host",
+    "kv_cache_manager_replay",
     "kv_cache_manager",
     "sched",
     "sim",
