@@ -39,11 +39,17 @@ LAYERS: dict[str, int] = {
     "sizing": 4,  # model configs -> per-layer specs -> KVCacheConfig (stdlib)
     "eviction": 6,  # eviction policies, retention levels, host tier (stdlib): the pool's order
     # the pool and what sits on it
+    "block_pool_inspect": 8,  # the pool's read-only half and argument checks
+    "block_pool_general": 8,  # the general twins of the pool's hot methods
+    "block_pool_events": 8,  # the pool's BlockStored event building
     "block_pool": 10,
     "managers": 20,
     "coordinators": 30,
     "kv_cache_blocks": 4,  # the facade's result types (block + errors only)
     "admission": 35,  # the facade's argument checks
+    "kv_cache_manager_reports": 38,  # the facade's reads, stats, events and invariants
+    "kv_cache_manager_host": 38,  # the facade's host-tier methods
+    "kv_cache_manager_replay": 38,  # the facade's keys-only replay entry point
     "kv_cache_manager": 40,
     "__init__": 45,  # the package root re-exports the core
     # above the core
@@ -73,11 +79,17 @@ CORE = {
     "retention",
     "sizing",
     "eviction",
+    "block_pool_inspect",
+    "block_pool_general",
+    "block_pool_events",
     "block_pool",
     "managers",
     "coordinators",
     "kv_cache_blocks",
     "admission",
+    "kv_cache_manager_reports",
+    "kv_cache_manager_host",
+    "kv_cache_manager_replay",
     "kv_cache_manager",
     "__init__",
 }
@@ -89,9 +101,15 @@ LAZY_EXTRAS: dict[str, set[str]] = {
 
 # Leaves must never reach these, whatever their ranks become.
 ABOVE_LEAVES = {
+    "block_pool_inspect",
+    "block_pool_general",
+    "block_pool_events",
     "block_pool",
     "managers",
     "coordinators",
+    "kv_cache_manager_reports",
+    "kv_cache_manager_host",
+    "kv_cache_manager_replay",
     "kv_cache_manager",
     "sched",
     "sim",

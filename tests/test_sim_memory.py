@@ -152,7 +152,7 @@ def test_no_argument_run_is_the_memory_study(capsys, tmp_path, monkeypatch):
     code, out, err = run_cli(capsys)
     out = " ".join(out.split())  # the table may wrap long lines
     assert code == 0
-    assert "pagedkv simulate (memory): mooncake_conversation_sample.jsonl: 400 requests" in out
+    assert "pagedkv simulate (memory): mooncake_conversation_sample.jsonl: 300 requests" in out
     for needle in ("KV memory", "TTFT p50", "50.2 GiB", "answer", "simulator speed"):
         assert needle in out
     if (tmp_path / "pagedkv-memory.png").exists():

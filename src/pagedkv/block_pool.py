@@ -8,22 +8,30 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from pagedkv.block import BlockHash, KVCacheBlock
-from pagedkv.errors import ConfigError, InvalidArgumentError, InvariantViolation
-from pagedkv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from pagedkv.block_pool_events import block_stored_event
+from pagedkv.block_pool_general import (
+    BlockResidencyObserver,
+    drop_entry_with_duplicates,
+    evict_for_reuse,
+    free_blocks_to_policy,
+    touch_with_policy,
+    undo_free,
+)
+from pagedkv.block_pool_inspect import BlockPoolInspection, check_pool_args
+from pagedkv.errors import InvalidArgumentError, InvariantViolation
+from pagedkv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
 from pagedkv.eviction import (
     DEFAULT_EVICTION,
     EvictionConfig,
     EvictionPolicy,
-    EvictionStats,
     FreeBlockSet,
     HostTier,
     make_free_blocks,
 )
-from pagedkv.hashing import generate_block_hash_extra_keys, to_event_extra_keys
-from pagedkv.host_memory import BYTES_PER_BLOCK, check_fits
+from pagedkv.free_queue import FreeKVCacheBlockQueue
 
 if TYPE_CHECKING:
     from pagedkv.request import Request
@@ -50,16 +58,7 @@ def _make_blocks(num_blocks: int) -> list[KVCacheBlock]:
     return blocks
 
 
-class BlockResidencyObserver(Protocol):
-    """Hooks for sampled block-residency metrics (see `pagedkv.metrics.residency`)."""
-
-    def on_block_allocated(self, block: KVCacheBlock) -> None: ...
-    def on_block_accessed(self, block: KVCacheBlock) -> None: ...
-    def on_block_evicted(self, block: KVCacheBlock) -> None: ...
-    def reset(self) -> None: ...
-
-
-class BlockPool:
+class BlockPool(BlockPoolInspection):
     """All KV-cache blocks of one device, shared by every KV-cache group.
 
     Invariants (`check_invariants`):
@@ -85,20 +84,10 @@ class BlockPool:
         eviction: EvictionConfig | None = None,
         num_hash_lookahead_tokens: int = 0,
     ) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
-            raise ConfigError(
-                f"num_blocks={num_blocks!r}: a pool needs at least 2 blocks (block 0 is the null "
-                "block)"
-            )
-        if not isinstance(hash_block_size, int) or hash_block_size <= 0:
-            raise ConfigError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
-        if num_kv_cache_groups < 1:
-            raise ConfigError(f"num_kv_cache_groups={num_kv_cache_groups} must be >= 1")
-        check_fits(f"a pool of {num_blocks:,} blocks", num_blocks * BYTES_PER_BLOCK)
-        if not isinstance(num_hash_lookahead_tokens, int) or num_hash_lookahead_tokens < 0:
-            raise ConfigError(
-                f"num_hash_lookahead_tokens must be an int >= 0, got {num_hash_lookahead_tokens!r}"
-            )
+        eviction = DEFAULT_EVICTION if eviction is None else eviction
+        check_pool_args(
+            num_blocks, hash_block_size, num_kv_cache_groups, num_hash_lookahead_tokens, eviction
+        )
         self.num_gpu_blocks = num_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -106,11 +95,6 @@ class BlockPool:
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.num_kv_cache_groups = num_kv_cache_groups
         self.medium = medium
-        eviction = DEFAULT_EVICTION if eviction is None else eviction
-        if eviction.host_num_blocks and num_kv_cache_groups > 1:
-            raise ConfigError(
-                f"the host-memory tier supports one KV-cache group, not {num_kv_cache_groups}"
-            )
         self.eviction_config = eviction
         self.blocks: list[KVCacheBlock] = _make_blocks(num_blocks)
         self.free_block_queue: FreeBlockSet = make_free_blocks(eviction, self.blocks)
@@ -157,14 +141,6 @@ class BlockPool:
             found.append(block)
         return found
 
-    def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
-
-    def get_usage(self) -> float:
-        """Fraction of usable blocks in use (cached-but-free blocks count as free)."""
-        usable = self.num_gpu_blocks - 1
-        return 1.0 - self.free_block_queue.num_free_blocks / usable
-
     # ------------------------------------------------------------------ allocation
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -209,7 +185,8 @@ class BlockPool:
                     block.ref_cnt = 1
                 self.eviction_epoch += num_evicted
             else:
-                self._evict_for_reuse(blocks)
+                events = self.kv_event_queue if self.enable_kv_cache_events else None
+                evict_for_reuse(blocks, self._maybe_evict_cached_block, self.host_tier, events)
         else:
             for block in blocks:
                 block.ref_cnt = 1
@@ -218,25 +195,10 @@ class BlockPool:
                 collector.on_block_allocated(block)
         return blocks
 
-    def _evict_for_reuse(self, blocks: list[KVCacheBlock]) -> None:
-        """Drop the cache entries of blocks popped for reuse (metrics on, or a host tier to
-        demote them to) and take a reference on each."""
-        evict = self._maybe_evict_cached_block
-        host = self.host_tier
-        events = self.kv_event_queue if self.enable_kv_cache_events else None
-        for block in blocks:
-            block_hash = block.block_hash
-            if block_hash is not None:
-                group_id = block.hash_group_id
-                evict(block)
-                if host is not None:
-                    host.demote(block_hash, group_id, events)
-            block.ref_cnt = 1
-
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add a reference to each block (a prefix hit), taking free ones out of the free queue."""
         if self.eviction_policy is not None:
-            self._touch_with_policy(blocks)
+            touch_with_policy(blocks, self.eviction_policy, self.null_block, self.metrics_collector)
             return
         null_block = self.null_block
         remove = self.free_block_queue.remove
@@ -246,18 +208,6 @@ class BlockPool:
             if block.ref_cnt == 0:
                 remove(block)
             block.ref_cnt += 1
-        collector = self.metrics_collector
-        if collector is not None:
-            for block in blocks:
-                if block is not null_block:
-                    collector.on_block_accessed(block)
-
-    def _touch_with_policy(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """`touch` telling the eviction policy about hits on blocks other requests hold."""
-        policy = self.eviction_policy
-        assert policy is not None
-        null_block = self.null_block
-        policy.take_hits(blocks, null_block)  # it also adds the reference to each block
         collector = self.metrics_collector
         if collector is not None:
             for block in blocks:
@@ -275,9 +225,10 @@ class BlockPool:
         if not isinstance(ordered_blocks, (list, tuple)):
             ordered_blocks = list(ordered_blocks)  # C-level copy; lets a bad call be undone
         if self.eviction_policy is not None:
-            self._free_blocks_to_policy(ordered_blocks)
+            free_blocks_to_policy(self.free_block_queue, self.null_block, ordered_blocks)
             return
-        queue = self.free_block_queue
+        # No policy: the plain queue (the annotation costs nothing at run time).
+        queue: FreeKVCacheBlockQueue = self.free_block_queue  # type: ignore[assignment]
         tail = queue.fake_free_list_tail
         chain = self._head_chain
         null_block = self.null_block
@@ -308,7 +259,7 @@ class BlockPool:
                 num_kept += 1
             else:
                 num_done = len(ordered_blocks) - sum(1 for _ in blocks) - 1
-                self._undo_free(ordered_blocks[:num_done], old_last)
+                undo_free(ordered_blocks[:num_done], old_last, tail, chain, null_block)  # type: ignore[arg-type]
                 raise InvalidArgumentError(
                     f"free_blocks: block {block.block_id} is already free (ref_cnt 0); "
                     "were these blocks freed twice?"
@@ -326,51 +277,6 @@ class BlockPool:
             old_first.prev_free_block = head_last  # type: ignore[union-attr]
             chain.next_free_block = None
         queue.num_free_blocks += len(ordered_blocks) - num_kept
-
-    def _free_blocks_to_policy(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
-        """`free_blocks` with an eviction policy: the blocks reaching zero go to the policy in
-        two runs (unhashed ones to be reused first, hashed ones in the order given)."""
-        null_block = self.null_block
-        to_head: list[KVCacheBlock] = []
-        to_tail: list[KVCacheBlock] = []
-        for index, block in enumerate(ordered_blocks):
-            if block is null_block:
-                continue
-            ref_cnt = block.ref_cnt - 1
-            if ref_cnt > 0:
-                block.ref_cnt = ref_cnt
-            elif ref_cnt == 0:
-                block.ref_cnt = 0
-                if block.block_hash is None:
-                    to_head.append(block)
-                else:
-                    to_tail.append(block)
-            else:
-                for freed in ordered_blocks[:index]:
-                    if freed is not null_block:
-                        freed.ref_cnt += 1
-                raise InvalidArgumentError(
-                    f"free_blocks: block {block.block_id} is already free (ref_cnt 0); "
-                    "were these blocks freed twice?"
-                )
-        if to_head:
-            self.free_block_queue.prepend_n(to_head)
-        if to_tail:
-            self.free_block_queue.append_n(to_tail)
-
-    def _undo_free(self, done: Sequence[KVCacheBlock], old_last: KVCacheBlock | None) -> None:
-        """Give back the references `free_blocks` dropped from `done` and unlink what it linked."""
-        tail = self.free_block_queue.fake_free_list_tail
-        old_last.next_free_block = tail  # type: ignore[union-attr]
-        tail.prev_free_block = old_last
-        self._head_chain.next_free_block = None
-        null_block = self.null_block
-        for block in done:
-            if block is null_block:
-                continue
-            block.ref_cnt += 1
-            if block.ref_cnt == 1:  # it had reached zero and was linked
-                block.prev_free_block = block.next_free_block = None
 
     # ------------------------------------------------------------------ caching
 
@@ -439,100 +345,23 @@ class BlockPool:
             )
         if not emit:
             return
-        # Events: the per-block lists are built only when blocks were skipped (rare).
-        if not skipped:
-            # A list slice is already a fresh list; a coarse view's slice too.
-            new_hashes = (
-                new_block_hashes if type(new_block_hashes) is list else list(new_block_hashes)
-            )
-            new_indices: Sequence[int] = range(num_cached_blocks, num_full_blocks)
-        else:
-            skipped_ids = {id(block) for block in skipped}
-            new_hashes = []
-            new_indices = []
-            for index, (block, block_hash) in enumerate(
-                zip(new_blocks, new_block_hashes, strict=False), num_cached_blocks
-            ):
-                if id(block) not in skipped_ids:
-                    new_hashes.append(block_hash)
-                    new_indices.append(index)
-        # One event per call even if every new block was null or masked (then with no hashes,
-        # but the call's tokens), as the reference emits it.
         assert request is not None  # refused above when events are on
-        event = self._block_stored_event(
-            request,
-            block_hashes,
-            new_hashes,
-            new_indices,
-            num_cached_blocks,
-            num_full_blocks,
-            block_size,
-            kv_cache_group_id,
-        )
         policy = self.eviction_policy
-        if policy is not None and policy.retention is not None:
-            priority_of = policy.retention.priority_of
-            event.retention_priorities = [priority_of(blocks[i]) for i in new_indices]
-        self.kv_event_queue.append(event)
-
-    def _block_stored_event(
-        self,
-        request: Request,
-        block_hashes: Sequence[BlockHash],
-        new_hashes: list[BlockHash],
-        new_indices: Sequence[int],
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_size: int,
-        group_id: int,
-    ) -> BlockStored:
-        # The parent comes from the request's hash list, so a null physical parent (a block
-        # outside a sliding window) still yields the logical parent.
-        parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
-        start_token = num_cached_blocks * block_size
-        end_token = num_full_blocks * block_size
-        # With hash lookahead, a block's hash (so its event keys) covers the next tokens too.
-        lookahead = self.num_hash_lookahead_tokens
-        # One entry per stored block (None for a block without keys), None for no blocks: the
-        # reference's (0.33) form.
-        per_block: list[tuple | None]
-        if request.has_extra_keys:
-            per_block = []
-            cursor = 0
-            for index in new_indices:
-                keys, cursor = generate_block_hash_extra_keys(
-                    request, index * block_size, (index + 1) * block_size + lookahead, cursor
-                )
-                per_block.append(to_event_extra_keys(keys))
-        else:
-            per_block = [None] * len(new_indices)
-        extra_keys = per_block or None
-        lookahead_token_ids = None
-        if lookahead:
-            tokens = request.all_token_ids
-            lookahead_token_ids = [
-                tokens[(index + 1) * block_size : (index + 1) * block_size + lookahead]
-                for index in new_indices
-            ]
-        lora = request.lora_request
-        # Hot path: positional arguments (the dataclass's field order) halve the cost of the
-        # keyword form; kv_cache_spec_kind and _sliding_window are filled by take_events.
-        return BlockStored(
-            new_hashes,
-            parent,
-            request.all_token_ids[start_token:end_token],
-            block_size,
-            lora.adapter_id if lora is not None else None,
-            self.medium,
-            lora.name if lora is not None else None,
-            extra_keys,
-            group_id,
-            None,
-            None,
-            None,
-            None,
-            request.session_id,
-            lookahead_token_ids,
+        self.kv_event_queue.append(
+            block_stored_event(
+                request,
+                block_hashes,
+                new_blocks,
+                new_block_hashes,
+                skipped,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+                self.num_hash_lookahead_tokens,
+                self.medium,
+                policy.retention if policy is not None else None,
+            )
         )
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
@@ -551,24 +380,8 @@ class BlockPool:
                 raise InvariantViolation(
                     f"block {block.block_id} has a hash but is not in the hash map"
                 )
-        elif hash_map.get(block_hash) is block:
-            others = duplicates.get(block_hash)
-            if others:
-                # Promote the earliest remaining duplicate so lookups keep "first cached wins".
-                promoted_id = next(iter(others))
-                hash_map[block_hash] = others.pop(promoted_id)
-                if not others:
-                    del duplicates[block_hash]
-            else:
-                del hash_map[block_hash]
         else:
-            others = duplicates.get(block_hash)
-            if others is None or others.pop(block.block_id, None) is None:
-                raise InvariantViolation(
-                    f"block {block.block_id} has a hash but is not in the hash map"
-                )
-            if not others:
-                del duplicates[block_hash]
+            drop_entry_with_duplicates(hash_map, duplicates, block, block_hash)
         block.block_hash = None
         block.hash_group_id = 0
         self.eviction_epoch += 1
@@ -626,86 +439,3 @@ class BlockPool:
             return []
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
-
-    # ------------------------------------------------------------------ read helpers
-
-    def free_block_ids(self) -> list[int]:
-        """Free block ids in eviction order (head, the next to reuse, first)."""
-        return [block.block_id for block in self.free_block_queue]
-
-    def cached_hashes(self, kv_cache_group_id: int = 0) -> dict[BlockHash, list[int]]:
-        """Hash → cached block ids (first-cached first) for one group."""
-        out = {h: [b.block_id] for h, b in self.hash_to_block[kv_cache_group_id].items()}
-        for block_hash, others in self._duplicates[kv_cache_group_id].items():
-            out[block_hash].extend(others)
-        return out
-
-    def get_eviction_stats(self) -> EvictionStats:
-        """The eviction policy's name and the retention and host-tier counters."""
-        policy = self.eviction_policy
-        retention = policy.retention if policy is not None else None
-        host = self.host_tier
-        return EvictionStats(
-            self.eviction_config.policy,
-            retention.num_retained_blocks if retention is not None else 0,
-            retention.num_demoted_blocks if retention is not None else 0,
-            retention.num_lapsed_blocks if retention is not None else 0,
-            len(host) if host is not None else 0,
-            host.num_demoted_blocks if host is not None else 0,
-            host.num_evicted_blocks if host is not None else 0,
-            host.num_promoted_blocks if host is not None else 0,
-        )
-
-    def num_cached_blocks(self) -> int:
-        """Blocks currently in the prefix cache, all groups."""
-        return sum(len(m) for m in self.hash_to_block) + sum(
-            len(d) for dups in self._duplicates for d in dups.values()
-        )
-
-    def check_invariants(self) -> None:
-        """Verify the pool's invariants; raise `InvariantViolation` on the first broken one."""
-        self.free_block_queue.check_invariants()
-        if self.host_tier is not None:
-            self.host_tier.check_invariants()
-        if self.blocks[0] is not self.null_block:
-            raise InvariantViolation("block 0 is not the null block")
-        null = self.null_block
-        if null.prev_free_block is not None or null.next_free_block is not None:
-            raise InvariantViolation("the null block is linked in the free queue")
-        if null.block_hash is not None:
-            raise InvariantViolation("the null block has a hash")
-        linked = {id(b) for b in self.free_block_queue}
-        for block_id, block in enumerate(self.blocks):
-            if block.block_id != block_id:
-                raise InvariantViolation(f"blocks[{block_id}].block_id == {block.block_id}")
-            if block is null:
-                continue
-            if block.ref_cnt < 0:
-                raise InvariantViolation(f"block {block_id} has ref_cnt {block.ref_cnt}")
-            if (block.ref_cnt == 0) != (id(block) in linked):
-                raise InvariantViolation(
-                    f"block {block_id}: ref_cnt {block.ref_cnt} but "
-                    f"{'in' if id(block) in linked else 'not in'} the free queue"
-                )
-            if block.block_hash is not None:
-                if not self.enable_caching:
-                    raise InvariantViolation(f"block {block_id} hashed with caching disabled")
-                group = block.hash_group_id
-                in_map = self.hash_to_block[group].get(block.block_hash) is block or (
-                    self._duplicates[group].get(block.block_hash, {}).get(block_id) is block
-                )
-                if not in_map:
-                    raise InvariantViolation(f"block {block_id} has a hash but no map entry")
-        for group_id, hash_map in enumerate(self.hash_to_block):
-            for block_hash, block in hash_map.items():
-                if block.block_hash != block_hash or block.hash_group_id != group_id:
-                    raise InvariantViolation(
-                        f"map entry of group {group_id} points at block {block.block_id} whose "
-                        "hash differs"
-                    )
-            for block_hash, others in self._duplicates[group_id].items():
-                if block_hash not in hash_map or not others:
-                    raise InvariantViolation("duplicate entry without a primary entry")
-                for block_id, block in others.items():
-                    if block.block_id != block_id or block.block_hash != block_hash:
-                        raise InvariantViolation(f"stale duplicate entry for block {block_id}")

@@ -1,7 +1,8 @@
 """CLI: `pagedkv simulate`, replay a request trace through the scheduler and the manager.
 
 With no arguments it serves the Mooncake sample shipped in the package and prints a report.
-Imports only the standard library at module level.
+Imports only the standard library at module level. Options live in `_simulate_args`, the
+terminal output in `_simulate_output`; this module runs the modes.
 """
 
 from __future__ import annotations
@@ -13,206 +14,14 @@ import warnings
 from typing import Any
 
 from pagedkv.cli import _checks, _cluster, _eviction, _memory
-from pagedkv.cli._checks import float_in, int_at_least
 from pagedkv.cli._interrupt import StopOnCtrlC
+from pagedkv.cli._simulate_args import add_arguments, resolve_mode
+from pagedkv.cli._simulate_output import Progress, print_profiles, print_table
 
 COMMAND = "simulate"
 HELP = "Simulate a request trace: prefix-cache hit rate, memory, preemptions, latency."
 
 SAMPLE_TRACE = "mooncake_conversation_sample.jsonl"
-_PROGRESS_DELAY_S = 1.0
-_UNWRAPPED_WIDTH = 500  # columns rich may use when stdout is no terminal
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_argument_group("input")
-    choice = source.add_mutually_exclusive_group()
-    choice.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="JSONL trace (Mooncake, token ids or lengths); default: the "
-        "shipped Mooncake conversation sample (1,000 requests)",
-    )
-    choice.add_argument(
-        "--workload",
-        choices=("shared-prompt", "chat", "agent"),
-        help="a seeded synthetic workload instead of a trace",
-    )
-    source.add_argument(
-        "--num-requests",
-        type=int_at_least(1),
-        metavar="N",
-        help="use the first N requests of the trace (workloads: generate N, default 400)",
-    )
-    source.add_argument(
-        "--rate",
-        type=float_in(0, open_minimum=True),
-        default=2.0,
-        metavar="PER_S",
-        help="workloads: request (or session) arrival rate (default 2)",
-    )
-    source.add_argument(
-        "--arrival",
-        choices=("poisson", "bursty"),
-        default="poisson",
-        help="workloads: arrival process (default poisson)",
-    )
-    source.add_argument("--seed", type=int, default=0, help="workloads: random seed (default 0)")
-
-    sim = parser.add_argument_group("simulation")
-    sim.add_argument(
-        "--mode",
-        choices=("memory", "serve", "replay"),
-        help="memory: serve at several KV-cache sizes and report what each buys (the default "
-        "when no option but --json/--plot/--no-progress/--jobs is given); serve: time-stepped "
-        "serving with the scheduler (the default otherwise); replay: cache-capacity study, one "
-        "request at a time",
-    )
-    sim.add_argument(
-        "--block-size", type=int_at_least(1), default=16, help="tokens per block (default 16)"
-    )
-    sim.add_argument(
-        "--capacity",
-        metavar="LIST",
-        help="KV capacity: blocks (1000, 20k, 1M) or tokens (4Mtok); replay "
-        "takes a comma-separated sweep and 'unlimited', the memory study a list of sizes; "
-        "serve takes one value (default: what the profile's GPU memory holds)",
-    )
-    sim.add_argument(
-        "--model",
-        metavar="NAME_OR_CONFIG",
-        help="take the KV-cache groups (full, sliding window, chunked local, Mamba...) and "
-        "num_blocks from this model (a shipped name such as gemma-3-12b-it, a config.json or "
-        "a model directory) sized for --memory; default: one synthetic full-attention group",
-    )
-    sim.add_argument(
-        "--memory",
-        metavar="SIZE",
-        help="with --model: KV-cache memory budget (80GiB, 80GB, 512MiB or bytes)",
-    )
-    sim.add_argument(
-        "--hash-algorithm",
-        default="sha256",
-        choices=("sha256", "sha256_cbor", "xxh3_128"),
-        help="prefix-cache hash (default sha256)",
-    )
-    sim.add_argument(
-        "--hash-tokens",
-        action="store_true",
-        help="hash every block's tokens (--hash-algorithm) instead of keying blocks by the "
-        "trace's token runs: the same hits, several times slower (a cluster always hashes: "
-        "its KV events carry the digests)",
-    )
-    sim.add_argument(
-        "--jobs",
-        type=int,
-        metavar="N",
-        help="worker processes for a replay sweep or a memory study (default: one per core; "
-        "1: in this process)",
-    )
-
-    serve = parser.add_argument_group("serve mode")
-    serve.add_argument(
-        "--profile",
-        default=None,
-        metavar="NAME",
-        help="model/GPU cost profile (default llama3.1-8b-h100; --list-profiles shows all)",
-    )
-    serve.add_argument(
-        "--list-profiles",
-        action="store_true",
-        help="print the built-in profiles and their coefficients, then exit",
-    )
-    serve.add_argument(
-        "--cost",
-        metavar="NAME=SECONDS,...",
-        help="override cost coefficients: step_overhead_s, prefill_token_s, "
-        "decode_seq_s, kv_token_read_s, prefill_attention_pair_s",
-    )
-    serve.add_argument(
-        "--time-scale",
-        type=float_in(0, open_minimum=True),
-        help="multiply arrival times (0.5 = twice the request rate; default 1, or in the "
-        "memory study the scale at which the GPU is about 70 %% busy)",
-    )
-    serve.add_argument(
-        "--max-model-len",
-        type=int_at_least(1),
-        metavar="TOKENS",
-        help="longest request (default: the profile's, capped by capacity)",
-    )
-    serve.add_argument(
-        "--max-num-batched-tokens",
-        type=int_at_least(1),
-        default=8192,
-        help="token budget per step (default 8192)",
-    )
-    serve.add_argument(
-        "--max-num-seqs", type=int_at_least(1), default=256, help="requests per step (default 256)"
-    )
-    serve.add_argument(
-        "--policy",
-        choices=("fcfs", "priority"),
-        default="fcfs",
-        help="scheduling policy (default fcfs)",
-    )
-    serve.add_argument(
-        "--watermark",
-        type=float_in(0, 1),
-        default=0.0,
-        help="fraction of blocks kept free from new admissions (default 0)",
-    )
-    serve.add_argument(
-        "--long-prefill-token-threshold",
-        type=int_at_least(0),
-        default=0,
-        metavar="TOKENS",
-        help="cap prompt tokens per request per step (default 0: no cap)",
-    )
-    serve.add_argument(
-        "--no-chunked-prefill", action="store_true", help="schedule each prompt in one step"
-    )
-    serve.add_argument(
-        "--async-caching",
-        action="store_true",
-        help="cache a step's blocks only after its output arrives",
-    )
-    serve.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-
-    output = parser.add_argument_group("output")
-    output.add_argument(
-        "--json",
-        action="store_true",
-        help="print the report as JSON (deterministic) instead of a table",
-    )
-    output.add_argument(
-        "--plot",
-        metavar="FILE",
-        help="write a plot (needs matplotlib; the extension picks the format: .png, .svg, "
-        ".pdf...): hit rate vs capacity (replay), usage and queues over time (serve)",
-    )
-    output.add_argument("--no-progress", action="store_true", help="never show a progress bar")
-    _cluster.add_arguments(parser)
-    _eviction.add_arguments(parser)
-    # Every option's default, to tell a run with no simulation option (the memory study).
-    parser.set_defaults(_option_defaults=vars(parser.parse_args([])))
-
-
-# Options that change only how results are shown or computed, not what is simulated.
-_OUTPUT_OPTIONS = frozenset({"json", "plot", "no_progress", "jobs"})
-
-
-def _resolve_mode(args: argparse.Namespace) -> str:
-    """`--mode`, or memory when no simulation option is given, else serve."""
-    if args.mode is not None:
-        return str(args.mode)
-    defaults = getattr(args, "_option_defaults", {})
-    for name, default in defaults.items():
-        if name in _OUTPUT_OPTIONS or name.startswith("_") or name == "mode":
-            continue
-        if getattr(args, name, default) != default:
-            return "serve"
-    return "memory"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,9 +41,9 @@ def _run(args: argparse.Namespace) -> int:
     from pagedkv.sim import cost_model, report
 
     if args.list_profiles:
-        _print_profiles(cost_model)
+        print_profiles(cost_model)
         return 0
-    args.mode = _resolve_mode(args)
+    args.mode = resolve_mode(args)
     if args.mode == "memory" and not (args.trace or args.workload or args.num_requests):
         args.num_requests = _memory.DEFAULT_NUM_REQUESTS  # a few seconds for the whole study
     if args.mode == "replay" and (args.profile or args.cost):
@@ -260,8 +69,8 @@ def _run(args: argparse.Namespace) -> int:
     _checks.check_simulate_trace(args, trace)
     show_progress = not (args.json or args.no_progress) and sys.stderr.isatty()
 
-    def make_progress(total: int, label: str) -> _Progress:
-        return _Progress(total, label, show_progress)
+    def make_progress(total: int, label: str) -> Progress:
+        return Progress(total, label, show_progress)
 
     if _cluster.wanted(args):
         config, profile_name = _serve_config(args, cost_model)
@@ -285,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     else:
-        _print_table(report, the_report, speed)
+        print_table(report, the_report, speed)
     if args.plot and plot is not None:
         plot(args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
@@ -344,7 +153,7 @@ def _replay(args: argparse.Namespace, trace: Any, show_progress: bool) -> tuple:
         capacities = [sizing.num_blocks - 1]  # usable blocks: the null block aside
     else:
         capacities = list(replay.default_capacities(trace, args.block_size))
-    progress = _Progress(len(trace.requests), "replaying", show_progress)
+    progress = Progress(len(trace.requests), "replaying", show_progress)
     start = time.perf_counter()
     try:
         points = replay.replay(
@@ -389,7 +198,7 @@ def _serve(args: argparse.Namespace, trace: Any, cost_model: Any, show_progress:
     from pagedkv.sim.serve import simulate_serving
 
     config, profile_name = _serve_config(args, cost_model)
-    progress = _Progress(len(trace.requests), "serving", show_progress)
+    progress = Progress(len(trace.requests), "serving", show_progress)
     start = time.perf_counter()
     try:
         with StopOnCtrlC() as stop:  # Ctrl-C ends the run; the report shows what it measured
@@ -530,71 +339,4 @@ def _size_model(
     return description.name, sizing
 
 
-def _print_table(report_module: Any, the_report: dict, speed: Any) -> None:
-    try:
-        from rich.console import Console
-    except ImportError:
-        encoding = (getattr(sys.stdout, "encoding", None) or "").lower()
-        ascii_only = "utf" not in encoding
-        sys.stdout.write(report_module.render_text(the_report, speed, ascii_only=ascii_only))
-        return
-    # Piped or redirected: no terminal width to fit, so never wrap (rich would assume 80).
-    width = None if sys.stdout.isatty() else _UNWRAPPED_WIDTH
-    report_module.render_rich(the_report, speed, Console(width=width))
-
-
-def _print_profiles(cost_model: Any) -> None:
-    for name, profile in sorted(cost_model.PROFILES.items()):
-        model = profile.cost_model()
-        print(f"{name}: {profile.description}")
-        print(
-            f"  KV {profile.kv_bytes_per_token:,} bytes/token, "
-            f"{profile.num_kv_blocks(16) * 16:,} KV tokens, max_model_len {profile.max_model_len:,}"
-        )
-        print(
-            f"  step_overhead_s={model.step_overhead_s:.4g} prefill_token_s="
-            f"{model.prefill_token_s:.4g} decode_seq_s={model.decode_seq_s:.4g} "
-            f"kv_token_read_s={model.kv_token_read_s:.4g} "
-            f"prefill_attention_pair_s={model.prefill_attention_pair_s:.4g}"
-        )
-
-
-class _Progress:
-    """A rich progress bar on stderr, shown only once a run has lasted `_PROGRESS_DELAY_S`."""
-
-    def __init__(self, total: int, label: str, enabled: bool) -> None:
-        self.total = total
-        self.label = label
-        self.enabled = enabled
-        self.start = time.monotonic()
-        self.last_check = self.start
-        self.bar: Any = None
-        self.task: Any = None
-
-    def __call__(self, num_done: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        # Hot path: called per request; look at the clock at most ten times a second.
-        if now - self.last_check < 0.1:
-            return
-        self.last_check = now
-        if self.bar is None:
-            if now - self.start < _PROGRESS_DELAY_S:
-                return
-            try:
-                from rich.console import Console
-                from rich.progress import Progress
-            except ImportError:
-                self.enabled = False
-                return
-            self.bar = Progress(console=Console(stderr=True), transient=True)
-            self.task = self.bar.add_task(self.label, total=self.total, completed=num_done)
-            self.bar.start()
-            return
-        self.bar.update(self.task, completed=num_done)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
+__all__ = ["COMMAND", "HELP", "add_arguments", "run"]

@@ -14,19 +14,20 @@ from pagedkv.errors import (
     ConfigError,
     InvalidArgumentError,
     InvalidTypeError,
-    InvariantViolation,
     RequestStateError,
 )
 from pagedkv.kv_cache_blocks import ComputedBlocks
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.managers import FullAttentionManager
 from pagedkv.request import Request, RequestStatus
+from pagedkv.sched.checks import check_pool_holds_one_request, check_scheduler_state
 from pagedkv.sched.config import SchedulerConfig
 from pagedkv.sched.output import ScheduledRequest, SchedulerOutput, StepRecord
 from pagedkv.sched.policy import FCFSPolicy, SchedulingPolicy
+from pagedkv.sched.records import make_step_record
+from pagedkv.sched.sampling import append_sampled, validate_sampled
 
 _RUNNING = RequestStatus.RUNNING
-_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class Scheduler:
@@ -72,7 +73,7 @@ class Scheduler:
                 f"without chunked prefill, max_num_batched_tokens "
                 f"({config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})"
             )
-        _check_pool_holds_one_request(kv_cache_manager, max_model_len)
+        check_pool_holds_one_request(kv_cache_manager, max_model_len)
         self.kv_cache_manager = kv_cache_manager
         self.config = config
         self.policy: SchedulingPolicy = FCFSPolicy() if policy is None else policy
@@ -181,7 +182,15 @@ class Scheduler:
             self.config.max_num_batched_tokens - budget,
             self._kv_loads_started,
         )
-        self.step_records.append(self._make_record(output, num_admitted, num_hit_tokens))
+        record = make_step_record(
+            output,
+            num_admitted,
+            num_hit_tokens,
+            manager.usage,
+            len(self.running),
+            len(self.waiting),
+        )
+        self.step_records.append(record)
         self._next_step_index += 1
         self._pending = output
         return output
@@ -381,41 +390,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def _make_record(
-        self, output: SchedulerOutput, num_admitted: int, num_hit_tokens: int
-    ) -> StepRecord:
-        num_prefill = num_decode = num_kv_read = num_pairs = 0
-        request_ids = []
-        num_tokens = []
-        # Hot path: one pass over the batch for the counts and both id/token lists.
-        for item in output.scheduled:
-            num_computed = item.num_computed_tokens
-            num_new = item.num_scheduled_tokens
-            request = item.request
-            request_ids.append(request.request_id)
-            num_tokens.append(num_new)
-            if num_new == 1 and num_computed >= request.num_prompt_tokens:
-                num_decode += 1
-            else:
-                num_prefill += num_new
-                num_pairs += num_new * num_computed + num_new * (num_new + 1) // 2
-            num_kv_read += num_computed + num_new
-        return StepRecord(
-            step_index=output.step_index,
-            scheduled_request_ids=tuple(request_ids),
-            num_scheduled_tokens=tuple(num_tokens),
-            num_prefill_tokens=num_prefill,
-            num_decode_tokens=num_decode,
-            num_kv_tokens_read=num_kv_read,
-            num_prefill_attention_pairs=num_pairs,
-            num_admitted=num_admitted,
-            num_prefix_hit_tokens=num_hit_tokens,
-            preempted_request_ids=tuple(output.preempted_request_ids),
-            usage=self.kv_cache_manager.usage,
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-        )
-
     # ------------------------------------------------------------------ outputs
 
     def update_from_output(
@@ -433,7 +407,7 @@ class Scheduler:
         """
         if output is not self._pending:
             raise RequestStateError(f"step {output.step_index} is not the step awaiting its output")
-        live = self._validate_sampled(output, sampled_token_ids)
+        live = validate_sampled(output, sampled_token_ids, self.requests)
         manager = self.kv_cache_manager
         async_caching = self.config.async_caching and manager.enable_caching
         one_token_fast = not self._stop_token_ids
@@ -458,7 +432,7 @@ class Scheduler:
                         continue
                     status: RequestStatus | None = RequestStatus.FINISHED_LENGTH_CAPPED
                 else:
-                    status = self._append_sampled(request, tokens)
+                    status = append_sampled(request, tokens, self._stop_token_ids, max_model_len)
                 if status is not None:
                     request.status = status
                     manager.free(request)
@@ -473,137 +447,18 @@ class Scheduler:
         self._pending = None
         return finished
 
-    def _validate_sampled(
-        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
-    ) -> list[ScheduledRequest]:
-        """Return the scheduled requests still live; raise if the sampled ids do not match."""
-        live: list[ScheduledRequest] = []
-        requests = self.requests
-        get_tokens = sampled_token_ids.get
-        num_known = 0  # keys of sampled_token_ids that name a scheduled request
-        for item in output.scheduled:
-            request = item.request
-            request_id = request.request_id
-            tokens = get_tokens(request_id)
-            if tokens is not None:
-                num_known += 1
-            if requests.get(request_id) is not request:
-                continue  # aborted after scheduling
-            live.append(item)
-            if item.is_prefill_chunk_complete:
-                if not tokens or isinstance(tokens, (str, bytes)):
-                    raise InvalidArgumentError(
-                        f"step {output.step_index}: request {request_id!r} completed its "
-                        f"prompt chunk and needs sampled token ids, got {tokens!r}"
-                    )
-            elif tokens:
-                raise InvalidArgumentError(
-                    f"step {output.step_index}: request {request_id!r} is mid-prefill and "
-                    f"cannot take sampled token ids, got {tokens!r}"
-                )
-        if num_known == len(sampled_token_ids):
-            return live
-        unknown = set(sampled_token_ids) - {item.request.request_id for item in output.scheduled}
-        if unknown:
-            raise InvalidArgumentError(
-                f"step {output.step_index}: sampled token ids for unscheduled requests "
-                f"{sorted(unknown)!r}"
-            )
-        return live
-
-    def _append_sampled(self, request: Request, tokens: Sequence[int]) -> RequestStatus | None:
-        """Append tokens up to the first stopping point; return the finished status, if any."""
-        stop_ids = self._stop_token_ids
-        max_tokens = request.max_tokens
-        num_room = self.max_model_len - request.num_tokens
-        if max_tokens is not None:
-            num_room = min(num_room, max_tokens - (request.num_tokens - request.num_prompt_tokens))
-        if len(tokens) == 1 and not stop_ids:
-            # Hot path: one token per decode step, no stop tokens configured.
-            request.append_output_token_ids(tokens[0])
-            return RequestStatus.FINISHED_LENGTH_CAPPED if num_room <= 1 else None
-        status = None
-        num_taken = len(tokens)
-        if stop_ids:
-            for position, token in enumerate(tokens):
-                if token in stop_ids:
-                    num_taken = position + 1
-                    status = RequestStatus.FINISHED_STOPPED
-                    break
-        if num_taken >= num_room:
-            if status is None or num_taken > num_room:
-                status = RequestStatus.FINISHED_LENGTH_CAPPED
-            num_taken = num_room
-        if num_taken:
-            request.append_output_token_ids(list(tokens[:num_taken]))
-        return status
+    # ------------------------------------------------------------------ checks
 
     # ------------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:
         """Check the queues, the last step's limits and the manager."""
-        config = self.config
-        running_ids = [request.request_id for request in self.running]
-        waiting = list(self.waiting)
-        waiting_ids = [request.request_id for request in waiting]
-        if len(set(running_ids)) != len(running_ids) or len(set(waiting_ids)) != len(waiting_ids):
-            raise InvariantViolation("a request appears twice in one queue")
-        both = set(running_ids) & set(waiting_ids)
-        if both:
-            raise InvariantViolation(f"requests {sorted(both)!r} are both running and waiting")
-        if set(running_ids) & set(self.loading) or set(waiting_ids) & set(self.loading):
-            raise InvariantViolation("a loading request is also running or waiting")
-        if set(running_ids) | set(waiting_ids) | set(self.loading) != set(self.requests):
-            raise InvariantViolation("the queues do not hold exactly the unfinished requests")
-        for request, _ in self.loading.values():
-            if not any(
-                manager_blocks
-                for manager_blocks in self.kv_cache_manager.get_block_ids(request.request_id)
-            ):
-                raise InvariantViolation(f"loading request {request.request_id!r} holds no blocks")
-        if len(self.running) + len(self.loading) > config.max_num_seqs:
-            raise InvariantViolation(
-                f"{len(self.running)} running requests exceed max_num_seqs {config.max_num_seqs}"
-            )
-        manager = self.kv_cache_manager
-        for request in self.running:
-            if request.status != _RUNNING:
-                raise InvariantViolation(f"running request {request!r} has status {request.status}")
-            if not any(manager.get_block_ids(request.request_id)):
-                raise InvariantViolation(f"running request {request.request_id!r} holds no blocks")
-            if not 0 <= request.num_computed_tokens <= request.num_tokens:
-                raise InvariantViolation(f"{request!r}: computed tokens out of range")
-        for request in waiting:
-            if request.status not in _WAITING_STATES or request.num_computed_tokens:
-                raise InvariantViolation(f"waiting request {request!r} is not fresh")
-            if any(manager.get_block_ids(request.request_id)):
-                raise InvariantViolation(f"waiting request {request.request_id!r} holds blocks")
-        if self.step_records:
-            record = self.step_records[-1]
-            if record.num_scheduled_tokens_total > config.max_num_batched_tokens:
-                raise InvariantViolation(
-                    f"step {record.step_index} scheduled {record.num_scheduled_tokens_total} "
-                    f"tokens > max_num_batched_tokens {config.max_num_batched_tokens}"
-                )
-            if len(record.scheduled_request_ids) > config.max_num_seqs:
-                raise InvariantViolation(f"step {record.step_index} exceeds max_num_seqs")
-        manager.check_invariants()
-
-
-def _check_pool_holds_one_request(manager: KVCacheManager, max_model_len: int) -> None:
-    """A request of `max_model_len` tokens must fit in an empty pool, or it could never run."""
-    num_usable_blocks = manager.kv_cache_config.num_blocks - 1
-    num_needed = manager.coordinator.get_num_blocks_to_allocate(
-        "\x00pool-capacity-probe",
-        max_model_len,
-        manager.empty_kv_cache_blocks.blocks,
-        0,
-        0,
-        apply_admission_cap=True,
-    )
-    if num_needed > num_usable_blocks:
-        raise ConfigError(
-            f"the pool's {num_usable_blocks} usable blocks cannot hold one request of "
-            f"max_model_len {max_model_len} tokens ({num_needed} blocks); lower max_model_len "
-            "or add blocks"
+        check_scheduler_state(
+            self.running,
+            self.waiting,
+            self.loading,
+            self.requests,
+            self.step_records,
+            self.config,
+            self.kv_cache_manager,
         )
