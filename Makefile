@@ -1,9 +1,11 @@
 # Two commands on a fresh machine; each sets up what it needs (once) and says what it installs:
 #
 #   make simulate   the main job: `pagedkv simulate` on the bundled trace (ARGS="--json" etc.)
-#   make test       the whole test suite, every extra installed, redis-server required; then
-#                   vLLM's own scheduler suites on pagedkv (.ci/vllm-suites, its own venv)
-#   make test-pagedkv   our suite alone
+#   make test       lint and types (make lint), then the whole test suite, every extra installed,
+#                   redis-server required; then vLLM's own scheduler suites on pagedkv
+#                   (.ci/vllm-suites, its own venv)
+#   make test-pagedkv   lint and types, then our suite alone
+#   make lint       ruff check, ruff format --check, mypy (configured in pyproject.toml)
 #
 # Both share one virtual environment (VENV, default .venv), updated only when pyproject.toml or
 # the set-up script changed since its extra was installed. PYTHON picks the interpreter (>= 3.11).
@@ -13,7 +15,7 @@ VENV ?= .venv
 ARGS ?=
 PYTEST_ARGS ?= -q
 
-.PHONY: simulate test test-pagedkv
+.PHONY: simulate test test-pagedkv lint
 
 simulate: $(VENV)/.pagedkv-sim
 	$(VENV)/bin/pagedkv simulate $(ARGS)
@@ -24,9 +26,15 @@ simulate: $(VENV)/.pagedkv-sim
 test: test-pagedkv
 	PYTHON="$(PYTHON)" .ci/vllm-suites
 
-test-pagedkv: $(VENV)/.pagedkv-dev
+# lint first: the suite's recipe starts only once lint and types pass (fail fast).
+test-pagedkv: lint $(VENV)/.pagedkv-dev
 	@scripts/setup.sh redis
 	PAGEDKV_REQUIRE_TEST_DEPS=1 PAGEDKV_REQUIRE_REDIS=1 $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.pagedkv-dev
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy
 
 $(VENV)/.pagedkv-%: pyproject.toml scripts/setup.sh
 	@PYTHON="$(PYTHON)" scripts/setup.sh venv "$(VENV)" "$*"

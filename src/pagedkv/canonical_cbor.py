@@ -9,7 +9,7 @@ encodes everything else (extra keys, ids of 2**24 and above, bools).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pagedkv.errors import InvalidArgumentError
 
@@ -27,7 +27,7 @@ def cbor_head(major_type: int, value: int) -> bytes:
     raise InvalidArgumentError(f"{value} does not fit a CBOR head")
 
 
-def _table(function) -> bytes:  # type: ignore[no-untyped-def]
+def _table(function: Callable[[int], int]) -> bytes:
     return bytes(function(byte) for byte in range(256))
 
 

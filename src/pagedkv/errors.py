@@ -48,7 +48,25 @@ class InvariantViolation(PagedKVError, AssertionError):
 
 
 class NotEnoughMemoryError(PagedKVError, ValueError):
-    """Memory sizing: the budget cannot hold even one request of `max_model_len` tokens."""
+    """Memory sizing: the budget cannot hold even one request of `max_model_len` tokens.
+
+    Carries the numbers where the raiser knows them (None where it does not).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        needed_bytes: int | None = None,
+        available_bytes: int | None = None,
+        max_model_len: int | None = None,
+        max_model_len_that_fits: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+        self.max_model_len = max_model_len
+        self.max_model_len_that_fits = max_model_len_that_fits
 
 
 class HostMemoryError(NotEnoughMemoryError):
@@ -56,6 +74,4 @@ class HostMemoryError(NotEnoughMemoryError):
     so nothing was built); names the estimate and the limit."""
 
     def __init__(self, message: str, needed_bytes: int, available_bytes: int) -> None:
-        super().__init__(message)
-        self.needed_bytes = needed_bytes
-        self.available_bytes = available_bytes
+        super().__init__(message, needed_bytes=needed_bytes, available_bytes=available_bytes)

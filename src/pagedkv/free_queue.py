@@ -17,6 +17,10 @@ class FreeKVCacheBlockQueue:
 
     Invariants: `num_free_blocks` equals the number of linked blocks; a block is linked iff both
     its links are set; the sentinels are never handed out.
+
+    Typing: a link is `KVCacheBlock | None` (None off the queue), but the links of the sentinels
+    and of linked blocks are never None. The batch operations rely on that without a per-block
+    check; their `# type: ignore[...]  # linked` comments mark exactly those reads.
     """
 
     __slots__ = ("num_free_blocks", "fake_free_list_head", "fake_free_list_tail")
@@ -63,17 +67,19 @@ class FreeKVCacheBlockQueue:
                 f"cannot pop {num_blocks} blocks: only {self.num_free_blocks} are free"
             )
         # Hot path: one pass, relinking the list once at the end instead of per block.
-        result = [None] * num_blocks
-        curr = self.fake_free_list_head.next_free_block
+        head = self.fake_free_list_head
+        result: list[KVCacheBlock] = [None] * num_blocks  # type: ignore[list-item]  # set below
+        curr: KVCacheBlock = head.next_free_block  # type: ignore[assignment]  # linked
         for i in range(num_blocks):
             result[i] = curr
             last = curr
-            curr = curr.next_free_block
+            # num_blocks <= num_free_blocks: at worst this reaches the tail sentinel.
+            curr = curr.next_free_block  # type: ignore[assignment]  # linked
             last.prev_free_block = last.next_free_block = None
-        self.fake_free_list_head.next_free_block = curr
-        curr.prev_free_block = self.fake_free_list_head
+        head.next_free_block = curr
+        curr.prev_free_block = head
         self.num_free_blocks -= num_blocks
-        return result  # type: ignore[return-value]
+        return result
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink `block` from wherever it is in the queue, in O(1)."""
@@ -91,7 +97,7 @@ class FreeKVCacheBlockQueue:
         """Link `block` at the tail (reused last)."""
         tail = self.fake_free_list_tail
         last = tail.prev_free_block
-        last.next_free_block = block  # type: ignore[union-attr]
+        last.next_free_block = block  # type: ignore[union-attr]  # linked
         block.prev_free_block = last
         block.next_free_block = tail
         tail.prev_free_block = block
@@ -104,10 +110,10 @@ class FreeKVCacheBlockQueue:
         count = 0
         for block in blocks:
             block.prev_free_block = last
-            last.next_free_block = block  # type: ignore[union-attr]
+            last.next_free_block = block  # type: ignore[union-attr]  # linked
             last = block
             count += 1
-        last.next_free_block = tail  # type: ignore[union-attr]
+        last.next_free_block = tail  # type: ignore[union-attr]  # linked
         tail.prev_free_block = last
         self.num_free_blocks += count
 
@@ -123,7 +129,7 @@ class FreeKVCacheBlockQueue:
             last = block
             count += 1
         last.next_free_block = first
-        first.prev_free_block = last  # type: ignore[union-attr]
+        first.prev_free_block = last  # type: ignore[union-attr]  # linked
         self.num_free_blocks += count
 
     def __iter__(self) -> Iterator[KVCacheBlock]:

@@ -12,7 +12,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast, overload
 
 from pagedkv.block import BlockHash
 from pagedkv.canonical_cbor import cbor_head, encode_token_blocks
@@ -31,10 +31,14 @@ class HashedRequest(Protocol):
     other way round.
     """
 
-    all_token_ids: Sequence[int]
     block_hashes: list[BlockHash]
     mm_hash_cursor: int
 
+    # Read-only here (properties), so a request may hold its tokens in any sequence type.
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
     @property
     def num_tokens(self) -> int: ...
     @property
@@ -262,8 +266,9 @@ class BlockHasher:
         """Hash `num_blocks` consecutive blocks of packed tokens that carry no extra keys."""
         digest = self._digest_packed
         assert digest is not None
-        parent = parent_hash if parent_hash else self.none_hash
-        hashes: list[BlockHash] = []
+        # Raw digests, typed as bytes: wrapping each in BlockHash() would add a call a block.
+        parent: bytes = parent_hash if parent_hash else self.none_hash
+        hashes: list[bytes] = []
         append = hashes.append
         # Hot path: the blocks are cut in C (struct.iter_unpack), and hashlib is called
         # directly, not through a wrapper: a Python-level call per block costs as much as the
@@ -282,7 +287,8 @@ class BlockHasher:
             for (chunk,) in chunks:
                 parent = digest(parent + chunk)
                 append(parent)
-        return hashes  # type: ignore[return-value]
+        # Every digest is a chained block hash; the cast costs one call, not one a block.
+        return cast(list[BlockHash], hashes)
 
 
 def _cbor2() -> Any:
@@ -296,7 +302,7 @@ def _cbor2() -> Any:
 
 
 def _cbor_dumps(obj: object) -> bytes:
-    return _cbor2().dumps(obj, canonical=True)  # type: ignore[no-any-return]
+    return _cbor2().dumps(obj, canonical=True)
 
 
 # ----------------------------------------------------------------------------- extra keys
@@ -495,7 +501,13 @@ class CoarseBlockHashes(Sequence[BlockHash]):
     def __len__(self) -> int:
         return len(self.fine_hashes) // self.scale
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> BlockHash: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[BlockHash]: ...
+
+    def __getitem__(self, index: int | slice) -> BlockHash | list[BlockHash]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         if not isinstance(index, int):

@@ -193,7 +193,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
         mm_features: Sequence[MultiModalFeature] = (),
-        prompt_embeds: Any = None,
+        prompt_embeds: memoryview | None = None,
         skip_reading_prefix_cache: bool = False,
         session_id: str | None = None,
     ) -> Request:
@@ -287,8 +287,10 @@ class Request:
         key = (start, end)
         digest = self._embeds_digests.get(key)
         if digest is None:
-            view: memoryview = self.prompt_embeds
-            bytes_per_token = view.nbytes // view.shape[0]
+            view = self.prompt_embeds
+            if view is None:
+                raise RequestStateError(f"request {self.request_id!r} has no prompt embeddings")
+            bytes_per_token = view.nbytes // len(view)  # len: the first dimension (tokens)
             raw = view.cast("B")[start * bytes_per_token : end * bytes_per_token]
             digest = hashlib.sha256(raw).digest()
             self._embeds_digests[key] = digest
@@ -312,7 +314,8 @@ def _check_prompt_embeds(request_id: str, embeds: Any, num_tokens: int) -> memor
             f"request {request_id!r}: prompt_embeds must support the buffer protocol "
             f"(bytes, array, numpy array), got {type(embeds).__name__}"
         ) from exc
-    if not view.c_contiguous or view.ndim < 1 or view.shape[0] != num_tokens:
+    shape = view.shape  # () for a 0-d buffer: no token dimension
+    if not view.c_contiguous or not shape or shape[0] != num_tokens:
         raise InvalidArgumentError(
             f"request {request_id!r}: prompt_embeds shape {view.shape} does not start with the "
             f"prompt length {num_tokens} (or is not C-contiguous)"

@@ -144,7 +144,7 @@ class SlidingWindowSpec(AttentionSpec):
         super().__post_init__()
         _check_positive(self, sliding_window=self.sliding_window)
 
-    def max_admission_blocks(self, max_model_len: int, max_in_flight_tokens: int) -> int | None:
+    def max_admission_blocks(self, max_model_len: int, max_in_flight_tokens: int) -> int:
         # +1: the window may straddle a block boundary.
         needed_tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
         return cdiv(needed_tokens, self.block_size) + 1
@@ -170,7 +170,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         super().__post_init__()
         _check_positive(self, attention_chunk_size=self.attention_chunk_size)
 
-    def max_admission_blocks(self, max_model_len: int, max_in_flight_tokens: int) -> int | None:
+    def max_admission_blocks(self, max_model_len: int, max_in_flight_tokens: int) -> int:
         needed_tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
         return cdiv(needed_tokens, self.block_size)
 

@@ -9,8 +9,8 @@ them in one pass, with the same result. `make_running_allocator` picks one at co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal
 
 from pagedkv.coordinators.base import KVCacheCoordinator
 from pagedkv.kv_cache_blocks import DecodeSlots, KVCacheBlocks
@@ -166,7 +166,8 @@ class SingleGroupRunningAllocator(RunningAllocator):
 
 # Per group: the manager, its block size, its tables, its cached counts, and its window: None
 # (no blocks leave), True (the allocator's shared window) or its own `get_num_skipped_tokens`.
-_GroupPlan = tuple[SingleTypeKVCacheManager, int, dict[str, list], dict[str, int], object]
+_Window = Literal[True] | Callable[[int], int] | None
+_GroupPlan = tuple[SingleTypeKVCacheManager, int, dict[str, list], dict[str, int], _Window]
 
 
 class MultiGroupRunningAllocator(RunningAllocator):
@@ -196,12 +197,12 @@ class MultiGroupRunningAllocator(RunningAllocator):
         super().__init__(coordinator, empty)
         self.null_block = coordinator.block_pool.null_block
         self.cache_alignment_tokens = coordinator.cache_alignment_tokens
-        self.shared_window = None
+        self.shared_window: Callable[[int], int] | None = None
         self.shared_block_size = 1
         shared_key = None
         groups: list[_GroupPlan] = []
         for manager in coordinator.single_type_managers:
-            window: object = None
+            window: _Window = None
             if type(manager).get_num_skipped_tokens is not _BASE.get_num_skipped_tokens:
                 key = (type(manager), manager.kv_cache_spec)
                 if shared_key is None:
@@ -247,7 +248,7 @@ class MultiGroupRunningAllocator(RunningAllocator):
                 if window is True:
                     num_skipped = shared_num_skipped
                 else:
-                    num_skipped = window(processed) // block_size  # type: ignore[operator]
+                    num_skipped = window(processed) // block_size
                 if num_skipped > 0:
                     if num_skipped > len(blocks):
                         num_skipped = len(blocks)
@@ -345,7 +346,7 @@ class MultiGroupRunningAllocator(RunningAllocator):
                     if window is True:
                         num_skipped = shared_num_skipped
                     else:
-                        num_skipped = window(processed) // block_size  # type: ignore[operator]
+                        num_skipped = window(processed) // block_size
                     if num_skipped > 0:
                         if num_skipped > len(blocks):
                             num_skipped = len(blocks)

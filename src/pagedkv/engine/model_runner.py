@@ -105,6 +105,7 @@ def load_model(
         config = load_config(model_path)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # transformers wraps `PreTrainedModel.to` in a decorator whose annotation drops `self`.
     return model.to(device).eval()  # type: ignore[arg-type]
 
 

@@ -36,8 +36,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         else "no GPU and TRITON_INTERPRET is not 1: Triton kernels cannot run"
     )
 
-import triton  # type: ignore[import-untyped]  # noqa: E402
-import triton.language as tl  # type: ignore[import-untyped]  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

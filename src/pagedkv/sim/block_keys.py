@@ -174,7 +174,7 @@ class TraceBlockHasher(RequestBlockHasher):
         end_block = request.num_tokens // block_size
         if end_block <= start_block:
             return []
-        entry = self._requests[request.request_id]  # type: ignore[attr-defined]
+        entry = self._requests[request.request_id]
         trace_request = entry[0]
         keys: list[int] = []
         num_prompt_blocks = trace_request.num_prompt_tokens // block_size

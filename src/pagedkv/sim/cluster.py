@@ -103,6 +103,7 @@ class _Instance:
         self.instance_id = instance_id
         self.run = run
         self.subscriber: Any = None
+        replay: str | None
         if endpoints is not None:  # a router service subscribes to these
             self.publisher = ZmqEventPublisher(endpoints[0], endpoints[1], bind=True)
         elif transport == "inproc":
@@ -206,9 +207,7 @@ class _ClusterRun:
         for inst in self.instances:
             run = inst.run
             # The simulated clock, so residency is in simulated seconds.
-            collector = KVCacheMetricsCollector(
-                sample_rate, clock=lambda run=run: int(run.now * 1e9)
-            )
+            collector = KVCacheMetricsCollector(sample_rate, clock=_simulated_clock_ns(run))
             # The pool reads its collector on every call, so attaching it now is enough.
             run.manager.block_pool.metrics_collector = collector
             self.collectors[inst.instance_id] = collector
@@ -228,9 +227,9 @@ class _ClusterRun:
                 busy = [inst for inst in self.instances if inst.busy]
                 next_step = min(busy, key=lambda inst: inst.run.now) if busy else None
                 arrival_s = self.arrivals[next_index] if next_index < len(requests) else None
-                if next_step is None and arrival_s is None:
-                    break
-                if arrival_s is not None and (next_step is None or arrival_s <= next_step.run.now):
+                if next_step is None or (arrival_s is not None and arrival_s <= next_step.run.now):
+                    if arrival_s is None:  # nothing busy, nothing left to arrive
+                        break
                     self._publish_visible(arrival_s)
                     self._dispatch(requests[next_index], arrival_s)
                     next_index += 1
@@ -396,6 +395,8 @@ class _ClusterRun:
         queries = hits = 0
         for inst in self.instances:
             stats = inst.run.manager.make_prefix_cache_stats()
+            if stats is None:
+                raise InvariantViolation(f"instance {inst.instance_id} was built without log_stats")
             queries += stats.queries
             hits += stats.hits
             per_instance.append(
@@ -475,6 +476,11 @@ class _ClusterRun:
                 drop()
             except IndexUnavailableError:
                 pass
+
+
+def _simulated_clock_ns(run: ServeRun) -> Callable[[], int]:
+    """A clock reading `run`'s simulated time, in nanoseconds."""
+    return lambda: int(run.now * 1e9)
 
 
 def _subscriber_counts(subscriber: Any) -> dict[str, int] | None:

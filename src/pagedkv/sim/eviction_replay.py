@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.eviction import POLICY_NAMES, EvictionConfig
-from pagedkv.hashing import make_request_block_hasher
+from pagedkv.hashing import RequestBlockHasher, make_request_block_hasher
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request
 from pagedkv.sim.future import ReplayOracle, hittable_keys
-from pagedkv.sim.traces import Trace
+from pagedkv.sim.traces import Trace, TraceRequest
 from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, cdiv
 
 ProgressCallback = Callable[[int], None]  # called with the number of requests done so far
@@ -201,7 +201,7 @@ class _Lane:
         manager.free(request)
 
 
-def _make_request(trace_request, hasher) -> Request:  # type: ignore[no-untyped-def]
+def _make_request(trace_request: TraceRequest, hasher: RequestBlockHasher) -> Request:
     return Request(trace_request.request_id, trace_request.prompt_token_ids(), block_hasher=hasher)
 
 

@@ -226,7 +226,12 @@ def _uniform_type_representative(specs: list[KVCacheSpec]) -> KVCacheSpec | None
         ):
             return None
     if isinstance(first, FullAttentionSpec):
-        windows = {(s.sliding_window, s.attention_chunk_size) for s in specs}  # type: ignore[attr-defined]
+        # The filter drops nothing (the loop above returned on a type mismatch); it narrows.
+        windows = {
+            (s.sliding_window, s.attention_chunk_size)
+            for s in specs
+            if isinstance(s, FullAttentionSpec)
+        }
         if len(windows) > 1:
             return replace(first, sliding_window=None, attention_chunk_size=None)
     return first
@@ -390,12 +395,13 @@ def _not_enough_memory(
             f"only {available_bytes} bytes ({format_gib(available_bytes)} GiB) are available; "
             f"{fit}"
         )
-    error = NotEnoughMemoryError(message)
-    error.needed_bytes = needed_bytes  # type: ignore[attr-defined]
-    error.available_bytes = available_bytes  # type: ignore[attr-defined]
-    error.max_model_len = max_model_len  # type: ignore[attr-defined]
-    error.max_model_len_that_fits = longest  # type: ignore[attr-defined]
-    return error
+    return NotEnoughMemoryError(
+        message,
+        needed_bytes=needed_bytes,
+        available_bytes=available_bytes,
+        max_model_len=max_model_len,
+        max_model_len_that_fits=longest,
+    )
 
 
 def get_num_blocks(layout: KVCacheLayout, available_memory_bytes: int) -> int:

@@ -25,6 +25,9 @@ SCHEMA_VERSION = 1
 Layout = Literal["map", "array"]
 HashFormat = Literal["int64", "bytes"]
 
+# A msgspec.defstruct field: (name, type) or (name, type, default).
+_Field = tuple[str, Any] | tuple[str, Any, Any]
+
 _LOW_64_BITS = 8
 # Legacy arrays shorter than this (tag included) are padded with nil: fields added later.
 _LEGACY_PADDING = {"BlockStored": 8, "BlockRemoved": 3}
@@ -68,7 +71,7 @@ def _structs() -> Any:
     hash_type = int | bytes
     # Field order and defaults of the reference's Structs (REFERENCE 7.1): on the wire, order
     # is the contract (maps keep it; legacy arrays are positional).
-    stored_fields = [
+    stored_fields: list[_Field] = [
         ("block_hashes", list[hash_type]),
         ("parent_block_hash", hash_type | None),
         ("token_ids", list[int]),
@@ -85,7 +88,7 @@ def _structs() -> Any:
         ("session_id", str | None, None),
         ("lookahead_token_ids", list[list[int]] | None, None),
     ]
-    removed_fields = [
+    removed_fields: list[_Field] = [
         ("block_hashes", list[hash_type]),
         ("medium", str | None),
         ("group_idx", int | None, None),
@@ -93,12 +96,16 @@ def _structs() -> Any:
         ("ownership", str | None, None),
     ]
 
+    def event_type(name: str, fields: list[_Field], array_like: bool) -> type:
+        return msgspec.defstruct(
+            name, fields, tag=name, omit_defaults=True, gc=False, array_like=array_like
+        )
+
     def event_types(array_like: bool) -> tuple[type, type, type]:
-        options = {"omit_defaults": True, "gc": False, "array_like": array_like}
         return (
-            msgspec.defstruct("BlockStored", stored_fields, tag="BlockStored", **options),
-            msgspec.defstruct("BlockRemoved", removed_fields, tag="BlockRemoved", **options),
-            msgspec.defstruct("AllBlocksCleared", [], tag="AllBlocksCleared", **options),
+            event_type("BlockStored", stored_fields, array_like),
+            event_type("BlockRemoved", removed_fields, array_like),
+            event_type("AllBlocksCleared", [], array_like),
         )
 
     class Structs:
@@ -176,8 +183,8 @@ class EventEncoder:
 
     def _to_struct(self, event: KVCacheEvent) -> Any:
         convert = self._convert
-        kind = type(event)
-        if kind is BlockStored:
+        # `type(event) is`, not isinstance: exact types, and mypy narrows on it.
+        if type(event) is BlockStored:
             parent = event.parent_block_hash
             return self._stored(
                 convert(event.block_hashes),
@@ -196,7 +203,7 @@ class EventEncoder:
                 event.session_id,
                 event.lookahead_token_ids,
             )
-        if kind is BlockRemoved:
+        if type(event) is BlockRemoved:
             return self._removed(
                 convert(event.block_hashes),
                 event.medium,
@@ -204,7 +211,7 @@ class EventEncoder:
                 event.locality,
                 event.ownership,
             )
-        if kind is AllBlocksCleared:
+        if type(event) is AllBlocksCleared:
             return self._cleared()
         raise InvalidArgumentError(f"cannot encode {event!r}: not a KV-cache event")
 

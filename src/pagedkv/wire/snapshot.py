@@ -44,8 +44,8 @@ class CacheMirror:
         """Apply events in order (any hash form: digests or external ints, but one form)."""
         entries = self._entries
         for event in events:
-            kind = type(event)
-            if kind is BlockStored:
+            # `type(event) is`, not isinstance: exact types, and mypy narrows on it.
+            if type(event) is BlockStored:
                 serial = self._next_serial
                 self._next_serial += 1
                 medium, group = event.medium, event.group_idx
@@ -57,7 +57,7 @@ class CacheMirror:
                         stack.append((serial, position))
                 if event.block_hashes:
                     self._events[serial] = _StoredRecord(event, len(event.block_hashes))
-            elif kind is BlockRemoved:
+            elif type(event) is BlockRemoved:
                 medium, group = event.medium, event.group_idx
                 for block_hash in event.block_hashes:
                     key = (medium, group, block_hash)
@@ -72,7 +72,7 @@ class CacheMirror:
                     record.num_live_blocks -= 1
                     if record.num_live_blocks == 0:
                         del self._events[serial]
-            elif kind is AllBlocksCleared:
+            elif type(event) is AllBlocksCleared:
                 self.clear()
 
     def clear(self) -> None:
@@ -104,13 +104,13 @@ class CacheMirror:
             event = self._events[serial].event
             positions = sorted(live_positions[serial])
             run_start = previous = positions[0]
-            for position in positions[1:] + [None]:
-                if position is not None and position == previous + 1:
+            for position in positions[1:]:
+                if position == previous + 1:
                     previous = position
                     continue
                 out.append(_slice_stored(event, run_start, previous + 1))
-                if position is not None:
-                    run_start = previous = position
+                run_start = previous = position
+            out.append(_slice_stored(event, run_start, previous + 1))
         return out
 
     def check_invariants(self) -> None:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 from pagedkv.errors import InvalidArgumentError, MissingDependencyError
 from pagedkv.events import KVCacheEvent
@@ -48,6 +48,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 logger = logging.getLogger(__name__)
 
 _SEQ_BYTES = SEQ_BYTES
+
+
+@overload
+def offset_endpoint_port(endpoint: str, data_parallel_rank: int) -> str: ...
+
+
+@overload
+def offset_endpoint_port(endpoint: None, data_parallel_rank: int) -> None: ...
 
 
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
@@ -138,7 +146,8 @@ class ZmqEventPublisher:
         self._topic_bytes = topic.encode()
         self._requested_endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
         self._requested_replay = offset_endpoint_port(replay_endpoint, data_parallel_rank)
-        self.endpoint: str | None = None
+        # The address bound or connected to: set by the thread before the constructor returns.
+        self.endpoint = ""
         self.replay_endpoint: str | None = None
         self.encoder = encoder or EventEncoder()
         self._hwm = hwm
@@ -204,12 +213,18 @@ class ZmqEventPublisher:
 
     def snapshot(self) -> EventBatch | None:
         """The current snapshot batch (None without `track_state`)."""
+        taken = self._take_snapshot()
+        return None if taken is None else taken[0]
+
+    def _take_snapshot(self) -> tuple[EventBatch, int] | None:
+        """The snapshot batch and its `snapshot_next_seq` (None without `track_state`)."""
         if self._mirror is None:
             return None
         with self._lock:
             events = self._mirror.snapshot_events()
             next_seq = self._next_seq
-        return EventBatch(time.time(), events, self.data_parallel_rank, snapshot_next_seq=next_seq)
+        batch = EventBatch(time.time(), events, self.data_parallel_rank, snapshot_next_seq=next_seq)
+        return batch, next_seq
 
     def shutdown(self, timeout_s: float = 1.0) -> None:
         """Stop accepting batches, send what is queued (up to `timeout_s`), close the sockets."""
@@ -287,9 +302,10 @@ class ZmqEventPublisher:
         topic = self._topic_bytes
         if request == SNAPSHOT_REQUEST:
             self.snapshot_requests += 1
-            snapshot = self.snapshot()
-            if snapshot is not None:
-                seq_frame = snapshot.snapshot_next_seq.to_bytes(_SEQ_BYTES, "big")
+            taken = self._take_snapshot()
+            if taken is not None:
+                snapshot, next_seq = taken
+                seq_frame = next_seq.to_bytes(_SEQ_BYTES, "big")
                 payload = self.encoder.encode(snapshot)
                 router.send_multipart([client_id, b"", topic, seq_frame, payload])
         elif len(request) == _SEQ_BYTES:

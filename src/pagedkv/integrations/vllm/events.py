@@ -15,7 +15,9 @@ from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheE
 def _external(block_hash: bytes | int) -> bytes | int:
     if isinstance(block_hash, int):
         return block_hash
-    return maybe_convert_block_hash(block_hash)  # type: ignore[arg-type]
+    # vLLM types the argument as its own BlockHash NewType; wrapping would cost a call a hash.
+    # (unused-ignore: where vLLM is not installed, its functions are untyped.)
+    return maybe_convert_block_hash(block_hash)  # type: ignore[arg-type, unused-ignore]
 
 
 def to_vllm_event(event: KVCacheEvent) -> vllm_events.KVCacheEvent:

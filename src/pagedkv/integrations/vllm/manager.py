@@ -21,6 +21,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
 
 from pagedkv.block import KVCacheBlock
+from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator
 from pagedkv.errors import ConfigError
 from pagedkv.events import BlockStored
 from pagedkv.integrations.vllm.config import translate_config
@@ -83,6 +84,8 @@ class PagedKVCacheManager:
             enable_kv_cache_events=enable_kv_cache_events,
             dcp_world_size=dcp_world_size,
             pcp_world_size=pcp_world_size,
+            # vLLM's collector types its hooks' argument as vLLM's block; it reads only
+            # `block_id`, which pagedkv's blocks have too.
             metrics_collector=metrics_collector,  # type: ignore[arg-type]
             watermark=watermark,
         )
@@ -152,14 +155,19 @@ class PagedKVCacheManager:
         attention (its blocks were evicted), the reconciled hit of `get_computed_blocks`.
         """
         coordinator = self.core.coordinator
-        full_group_id = getattr(coordinator, "full_attention_group_id", None)
-        if not (self.kv_cache_config.has_mamba_layers and full_group_id is not None):
+        # Only the hybrid coordinator has a full-attention group id (None without one).
+        if not (
+            self.kv_cache_config.has_mamba_layers
+            and isinstance(coordinator, HybridKVCacheCoordinator)
+            and coordinator.full_attention_group_id is not None
+        ):
             return *self.get_computed_blocks(request, max_cache_hit_length), False
+        full_group_id = coordinator.full_attention_group_id
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0, False
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
-        blocks, hit_lengths = coordinator.find_longest_cache_hit_per_group(  # type: ignore[attr-defined]
+        blocks, hit_lengths = coordinator.find_longest_cache_hit_per_group(
             request.block_hashes, max_cache_hit_length
         )
         num_local = hit_lengths[full_group_id]

@@ -52,7 +52,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
     _counting(vllm_scheduler.Scheduler, "schedulers")
     _counting(vllm_manager.KVCacheManager, "vllm_managers")
-    vllm_scheduler.KVCacheManager = CountedPagedKVCacheManager  # type: ignore[assignment,misc]
+    # As in scheduler.py: vLLM types the global as its own manager class.
+    vllm_scheduler.KVCacheManager = CountedPagedKVCacheManager  # type: ignore[assignment, misc, unused-ignore]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -29,13 +29,15 @@ def manager_class_in_vllm_scheduler(manager_class: type) -> Iterator[None]:
     for the duration of one constructor (under a lock, restored afterwards) reuses vLLM's
     constructor as it is instead of copying it.
     """
+    # The ignores: vLLM types the global as its manager class, which pagedkv's only mirrors
+    # (unused-ignore: where vLLM is not installed, the module is untyped).
     with _SWAP_LOCK:
         original = vllm_scheduler.KVCacheManager
-        vllm_scheduler.KVCacheManager = manager_class  # type: ignore[assignment,misc]
+        vllm_scheduler.KVCacheManager = manager_class  # type: ignore[assignment, misc, unused-ignore]
         try:
             yield
         finally:
-            vllm_scheduler.KVCacheManager = original  # type: ignore[misc]
+            vllm_scheduler.KVCacheManager = original  # type: ignore[misc, unused-ignore]
 
 
 class Scheduler(vllm_scheduler.Scheduler):
