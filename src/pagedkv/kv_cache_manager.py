@@ -166,6 +166,7 @@ class KVCacheManager(KVCacheManagerReports, KVCacheManagerHostTier, KVCacheManag
         hit_map = self._fast_hit_map
         if hit_map is not None:
             # Hot path: one dict probe per block; chained hashes make the first miss final.
+            # (`_fast_hit_map` is only set together with `_fast_manager`.)
             block_size = self._fast_manager.block_size  # type: ignore[union-attr]
             block_hashes = request.block_hashes
             num_probes = min(max_cache_hit_length // block_size, len(block_hashes))

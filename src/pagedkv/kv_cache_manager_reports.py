@@ -80,6 +80,7 @@ class KVCacheManagerReports:
         return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        # None only with allow_none=True and no blocks; the default never returns it.
         return self.get_blocks(request_id).get_block_ids()  # type: ignore[return-value]
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
