@@ -13,10 +13,11 @@ pass `check_invariants()`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from conftest import snapshot
-from hybrid_support import chunked, full, make_manager, swa
+from hybrid_support import chunked, config, full, make_manager, swa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -292,10 +293,6 @@ def test_configurations_without_a_replayable_manager_keep_the_general_path():
 def test_configurations_the_fast_path_does_not_replay_take_the_general_path(kwargs, interval):
     # EAGLE's per-group cacheable tokens, re-prefillable tokens and a retention interval's
     # replay boundaries change the steps the running allocator replays: it must not be built.
-    from dataclasses import replace
-
-    from hybrid_support import config
-
     kv_cache_config = replace(
         config(48, full(4), swa(4, 5)), prefix_cache_retention_interval=interval
     )
