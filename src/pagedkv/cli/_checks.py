@@ -190,11 +190,10 @@ def check_simulate_trace(args: argparse.Namespace, trace: Any) -> None:
 
     last_arrival_s = max((r.arrival_time_s for r in trace.requests), default=0.0)
     max_s = MAX_TIMESTAMP_MS / 1000
-    time_scale = 1.0 if args.time_scale is None else args.time_scale
-    if args.mode == "serve" and last_arrival_s * time_scale > max_s:
+    if args.mode == "serve" and last_arrival_s * args.time_scale > max_s:
         raise InvalidArgumentError(
-            f"the last request arrives at {last_arrival_s * time_scale:.3g} s (time scale "
-            f"{time_scale:g}); simulated times stay exact up to {max_s:.0e} s: lower "
+            f"the last request arrives at {last_arrival_s * args.time_scale:.3g} s (time scale "
+            f"{args.time_scale:g}); simulated times stay exact up to {max_s:.0e} s: lower "
             "--time-scale" + (" or raise --rate" if args.workload else "")
         )
     if args.mode == "replay":

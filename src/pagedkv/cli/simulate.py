@@ -46,6 +46,8 @@ def _run(args: argparse.Namespace) -> int:
     args.mode = resolve_mode(args)
     if args.mode == "memory" and not (args.trace or args.workload or args.num_requests):
         args.num_requests = _memory.DEFAULT_NUM_REQUESTS  # a few seconds for the whole study
+    if args.mode != "memory" and args.time_scale is None:
+        args.time_scale = 1.0  # the memory study picks its own load when none is given
     if args.mode == "replay" and (args.profile or args.cost):
         raise _error("--profile and --cost apply to --mode serve only")
     if args.memory and not args.model:
@@ -264,7 +266,7 @@ def _serve_config(args: argparse.Namespace, cost_model: Any) -> tuple[Any, str |
         block_size=args.block_size,
         max_model_len=max_model_len,
         policy=args.policy,
-        time_scale=1.0 if args.time_scale is None else args.time_scale,
+        time_scale=args.time_scale,
         enable_prefix_caching=not args.no_prefix_caching,
         watermark=args.watermark,
         hash_algorithm=args.hash_algorithm,
