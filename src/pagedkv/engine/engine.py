@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.engine.attention_metadata import derive_metadata, pack_step, to_device
+from pagedkv.engine.attention_metadata import build_attention_metadata, to_device
 from pagedkv.engine.cuda_graphs import DecodeGraphs
 from pagedkv.engine.model_runner import ModelRunner, eos_token_ids, make_kv_cache_config
 from pagedkv.engine.paged_kv import NULL_BLOCK_ID
@@ -334,20 +334,12 @@ class LLMEngine:
             # A one-token prefill chunk that leaves its prompt unfinished samples nothing.
             return logits if len(sample_rows) == len(input_ids) else logits[sample_rows]
         device = runner.device
-        metadata = []
-        for group_id, block_size in enumerate(runner.block_sizes):
-            step = pack_step([row[group_id] for row in tables], num_computed, num_new, block_size)
-            metadata.append(
-                derive_metadata(
-                    to_device(step.host, device),
-                    block_size=block_size,
-                    num_seqs=step.num_seqs,
-                    num_tokens=step.num_tokens,
-                    max_query_len=step.max_query_len,
-                    max_seq_len=step.max_seq_len,
-                    max_num_blocks=step.max_num_blocks,
-                )
+        metadata = [
+            build_attention_metadata(
+                [row[group_id] for row in tables], num_computed, num_new, block_size, device
             )
+            for group_id, block_size in enumerate(runner.block_sizes)
+        ]
         # Hot path: token ids and sampled rows travel in one copy.
         host = torch.frombuffer(array("q", input_ids + sample_rows), dtype=torch.long)
         ids_and_rows = to_device(host, device)
