@@ -23,13 +23,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 logger = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
+SEQ_BYTES = 8
+END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
 """Sequence frame that ends a replay answer (`[b"", END_SEQ, b""]` after the topic frame)."""
 
 SNAPSHOT_REQUEST = b"pagedkv.snapshot"
 """Replay-socket request for a snapshot (16 bytes, so never mistaken for an 8-byte seq)."""
-
-SEQ_BYTES = 8
 
 
 @dataclass(slots=True)

@@ -47,8 +47,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 logger = logging.getLogger(__name__)
 
-_SEQ_BYTES = SEQ_BYTES
-
 
 @overload
 def offset_endpoint_port(endpoint: str, data_parallel_rank: int) -> str: ...
@@ -285,7 +283,7 @@ class ZmqEventPublisher:
             seq, batch = item
             try:
                 payload = self.encoder.encode(batch)
-                pub.send_multipart([self._topic_bytes, seq.to_bytes(_SEQ_BYTES, "big"), payload])
+                pub.send_multipart([self._topic_bytes, seq.to_bytes(SEQ_BYTES, "big"), payload])
                 self._buffer.append((seq, payload))
                 self.sent_batches += 1
             except Exception:  # noqa: BLE001 - one bad batch must not stop the thread
@@ -305,16 +303,16 @@ class ZmqEventPublisher:
             taken = self._take_snapshot()
             if taken is not None:
                 snapshot, next_seq = taken
-                seq_frame = next_seq.to_bytes(_SEQ_BYTES, "big")
+                seq_frame = next_seq.to_bytes(SEQ_BYTES, "big")
                 payload = self.encoder.encode(snapshot)
                 router.send_multipart([client_id, b"", topic, seq_frame, payload])
-        elif len(request) == _SEQ_BYTES:
+        elif len(request) == SEQ_BYTES:
             self.replay_requests += 1
             start_seq = int.from_bytes(request, "big")
             for seq, payload in list(self._buffer):
                 if seq >= start_seq:
                     router.send_multipart(
-                        [client_id, b"", topic, seq.to_bytes(_SEQ_BYTES, "big"), payload]
+                        [client_id, b"", topic, seq.to_bytes(SEQ_BYTES, "big"), payload]
                     )
         else:
             logger.warning("replay socket: ignoring a %d-byte request", len(request))
