@@ -264,21 +264,12 @@ class ARCPolicy(EvictionPolicy):
         self.num_t1_members = self.num_t2_members = 0
 
     def _check(self) -> None:
-        self._t1.check_invariants()
-        self._t2.check_invariants()
-        for queue, code in ((self._t1, 0), (self._t2, 1)):
-            for block in queue:
-                if self._in_t2[block.block_id] != code:
-                    raise InvariantViolation(f"arc: block {block.block_id} in the wrong list")
-        members = [0, 0]
-        for block in self.blocks:
-            if block.block_hash is not None:
-                members[self._in_t2[block.block_id]] += 1
-        if members != [self.num_t1_members, self.num_t2_members]:
-            raise InvariantViolation(
-                f"arc: {members} cached blocks in T1 and T2, counted "
-                f"{[self.num_t1_members, self.num_t2_members]}"
-            )
+        self._check_two_queues(
+            (self._t1, self._t2),
+            self._in_t2,
+            (self.num_t1_members, self.num_t2_members),
+            "T1 and T2",
+        )
         if not 0.0 <= self.target_t1_blocks <= self.capacity:
             raise InvariantViolation(f"arc: target {self.target_t1_blocks} outside [0, c]")
         total = self.num_t1_members + self.num_t2_members + len(self._b1) + len(self._b2)

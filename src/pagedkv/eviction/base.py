@@ -320,6 +320,32 @@ class EvictionPolicy:
     def _check(self) -> None:
         """Policy-specific invariants (called by `check_invariants`)."""
 
+    def _check_two_queues(
+        self,
+        queues: tuple[FreeKVCacheBlockQueue, FreeKVCacheBlockQueue],
+        queue_of: Sequence[int],
+        counts: tuple[int, int],
+        names: str,
+    ) -> None:
+        """For two-queue policies (arc's T1/T2, s3fifo's S/M): both queues are sound, every
+        block in queue i has `queue_of[block_id] == i`, and the cached blocks recorded in each
+        queue number `counts`."""
+        for code, queue in enumerate(queues):
+            queue.check_invariants()
+            for block in queue:
+                if queue_of[block.block_id] != code:
+                    raise InvariantViolation(
+                        f"{self.name}: block {block.block_id} in the wrong queue"
+                    )
+        members = [0, 0]
+        for block in self.blocks:
+            if block.block_hash is not None:
+                members[queue_of[block.block_id]] += 1
+        if members != list(counts):
+            raise InvariantViolation(
+                f"{self.name}: {members} cached blocks in {names}, counted {list(counts)}"
+            )
+
     # ------------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:

@@ -286,20 +286,11 @@ class S3FIFOPolicy(EvictionPolicy):
         self.num_small_members = self.num_main_members = 0
 
     def _check(self) -> None:
-        self._small.check_invariants()
-        self._main.check_invariants()
-        for queue, code in ((self._small, _SMALL), (self._main, _MAIN)):
-            for block in queue:
-                if self._queue_of[block.block_id] != code:
-                    raise InvariantViolation(f"s3fifo: block {block.block_id} in the wrong queue")
-        members = [0, 0]
-        for block in self.blocks:
-            if block.block_hash is not None:
-                members[self._queue_of[block.block_id]] += 1
-        if members != [self.num_small_members, self.num_main_members]:
-            raise InvariantViolation(
-                f"s3fifo: {members} cached blocks in S and M, counted "
-                f"{[self.num_small_members, self.num_main_members]}"
-            )
+        self._check_two_queues(
+            (self._small, self._main),
+            self._queue_of,
+            (self.num_small_members, self.num_main_members),
+            "S and M",
+        )
         if len(self._ghost) > self.ghost_capacity:
             raise InvariantViolation("s3fifo: the ghost FIFO is over capacity")
