@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,18 +40,15 @@ LAYERS: dict[str, int] = {
     "sizing": 4,  # model configs -> per-layer specs -> KVCacheConfig (stdlib)
     "eviction": 6,  # eviction policies, retention levels, host tier (stdlib): the pool's order
     # the pool and what sits on it
-    "block_pool_inspect": 8,  # the pool's read-only half and argument checks
-    "block_pool_general": 8,  # the general twins of the pool's hot methods
-    "block_pool_events": 8,  # the pool's BlockStored event building
-    "block_pool": 10,
+    "block_pool.checks": 8,  # the pool's argument and invariant checks (functions)
+    "block_pool.events": 8,  # the pool's BlockStored event building (functions)
+    "block_pool": 10,  # BlockPool (block_pool/pool.py) and the package's surface
     "managers": 20,
     "coordinators": 30,
     "kv_cache_blocks": 4,  # the facade's result types (block + errors only)
-    "admission": 35,  # the facade's argument checks
-    "kv_cache_manager_reports": 38,  # the facade's reads, stats, events and invariants
-    "kv_cache_manager_host": 38,  # the facade's host-tier methods
-    "kv_cache_manager_replay": 38,  # the facade's keys-only replay entry point
-    "kv_cache_manager": 40,
+    "kv_cache_manager.checks": 35,  # the facade's argument checks
+    "kv_cache_manager.events": 35,  # the BlockStored annotation (also the vLLM adapter's)
+    "kv_cache_manager": 40,  # KVCacheManager (kv_cache_manager/manager.py), the surface
     "__init__": 45,  # the package root re-exports the core
     # above the core
     "sched": 50,
@@ -79,17 +77,10 @@ CORE = {
     "retention",
     "sizing",
     "eviction",
-    "block_pool_inspect",
-    "block_pool_general",
-    "block_pool_events",
     "block_pool",
     "managers",
     "coordinators",
     "kv_cache_blocks",
-    "admission",
-    "kv_cache_manager_reports",
-    "kv_cache_manager_host",
-    "kv_cache_manager_replay",
     "kv_cache_manager",
     "__init__",
 }
@@ -101,15 +92,9 @@ LAZY_EXTRAS: dict[str, set[str]] = {
 
 # Leaves must never reach these, whatever their ranks become.
 ABOVE_LEAVES = {
-    "block_pool_inspect",
-    "block_pool_general",
-    "block_pool_events",
     "block_pool",
     "managers",
     "coordinators",
-    "kv_cache_manager_reports",
-    "kv_cache_manager_host",
-    "kv_cache_manager_replay",
     "kv_cache_manager",
     "sched",
     "sim",
@@ -139,10 +124,23 @@ class Import:
     type_only: bool  # inside `if TYPE_CHECKING:`
 
 
-def module_key(path: Path) -> str:
-    """The LAYERS key of a file: its top-level module or package under pagedkv."""
-    parts = path.relative_to(PACKAGE_DIR).with_suffix("").parts
+def layer_key(parts: Sequence[str]) -> str:
+    """The LAYERS key of a module given as its parts under pagedkv (`("sim", "inputs",
+    "traces")`): the longest dotted prefix that LAYERS places (a package's own rank when none
+    of its subpackages has one), else the top-level name (which the test then reports)."""
+    for end in range(len(parts), 1, -1):
+        key = ".".join(parts[:end])
+        if key in LAYERS:
+            return key
     return parts[0]
+
+
+def module_key(path: Path) -> str:
+    """The LAYERS key of a file (a package's `__init__` counts as the package)."""
+    parts = path.relative_to(PACKAGE_DIR).with_suffix("").parts
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return layer_key(parts)
 
 
 def dotted_package(path: Path) -> list[str]:
@@ -189,30 +187,44 @@ def pagedkv_targets(imp: Import) -> list[str]:
     parts = imp.module.split(".")
     if parts[0] != "pagedkv":
         return []
-    if len(parts) >= 2:
-        return [parts[1]]
-    # `import pagedkv` or `from pagedkv import x`: x is a submodule, or a name of the root.
+    if len(parts) == 1:
+        # `import pagedkv` or `from pagedkv import x`: x is a submodule, or a name of the root.
+        targets = []
+        for name in imp.names or ("__init__",):
+            is_module = (PACKAGE_DIR / f"{name}.py").exists() or (PACKAGE_DIR / name).is_dir()
+            targets.append(name if is_module else "__init__")
+        return targets
+    # `from pagedkv.sim import replay`: each name that is a submodule counts as that module.
+    package_dir = PACKAGE_DIR.joinpath(*parts[1:])
     targets = []
-    for name in imp.names or ("__init__",):
-        is_module = (PACKAGE_DIR / f"{name}.py").exists() or (PACKAGE_DIR / name).is_dir()
-        targets.append(name if is_module else "__init__")
-    return targets
+    for name in imp.names or ("",):
+        is_module = name and (
+            (package_dir / f"{name}.py").exists() or (package_dir / name).is_dir()
+        )
+        targets.append(layer_key([*parts[1:], name] if is_module else parts[1:]))
+    return list(dict.fromkeys(targets))
 
 
 def violations_of(key: str, imports: list[Import]) -> list[str]:
-    """Every rule an import list of module `key` breaks, as readable strings."""
+    """Every rule an import list of module `key` breaks, as readable strings.
+
+    CORE, LEAVES, ABOVE_LEAVES and the CLI rule name top-level modules and packages; they
+    cover every module inside a package (`block_pool.checks` is core, as `block_pool` is).
+    """
     problems = []
     rank = LAYERS[key]
+    package = key.split(".")[0]
     for imp in imports:
         top = imp.module.split(".")[0]
-        if key in CORE and top != "pagedkv" and top not in STDLIB:
+        if package in CORE and top != "pagedkv" and top not in STDLIB:
             if not (imp.lazy and top in LAZY_EXTRAS.get(key, set())):
                 problems.append(f"line {imp.lineno}: core module imports {imp.module!r}")
-        if key == "cli" and not imp.lazy and top != "pagedkv" and top not in STDLIB:
+        if package == "cli" and not imp.lazy and top != "pagedkv" and top not in STDLIB:
             problems.append(f"line {imp.lineno}: CLI imports {imp.module!r} at import time")
         if imp.type_only:
             continue
         for target in pagedkv_targets(imp):
+            target_package = target.split(".")[0]
             if target not in LAYERS:
                 problems.append(f"line {imp.lineno}: pagedkv.{target} is not placed in LAYERS")
             elif LAYERS[target] > rank:
@@ -220,9 +232,9 @@ def violations_of(key: str, imports: list[Import]) -> list[str]:
                     f"line {imp.lineno}: {key} (rank {rank}) imports {target} "
                     f"(rank {LAYERS[target]}): imports must point down"
                 )
-            if key in LEAVES and target in ABOVE_LEAVES:
+            if package in LEAVES and target_package in ABOVE_LEAVES:
                 problems.append(f"line {imp.lineno}: leaf {key} imports {target}")
-            if key == "managers" and target in {"coordinators", "kv_cache_manager"}:
+            if package == "managers" and target_package in {"coordinators", "kv_cache_manager"}:
                 problems.append(f"line {imp.lineno}: managers import {target}")
     return problems
 

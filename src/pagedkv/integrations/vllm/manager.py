@@ -23,17 +23,17 @@ from vllm.v1.request import Request
 from pagedkv.block import KVCacheBlock
 from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator
 from pagedkv.errors import ConfigError
-from pagedkv.events import BlockStored
 from pagedkv.integrations.vllm.config import translate_config
 from pagedkv.integrations.vllm.events import to_vllm_events
 from pagedkv.integrations.vllm.requests import existing_view, sync_view
 from pagedkv.integrations.vllm.views import BlockPoolView, CoordinatorView
 from pagedkv.kv_cache_blocks import ComputedBlocks, KVCacheBlocks
-from pagedkv.kv_cache_manager import KVCacheManager
+from pagedkv.kv_cache_manager import KVCacheManager, annotate_block_stored
 
 
 def _event_metadata(kv_cache_config: KVCacheConfig) -> tuple[tuple[str, int | None], ...]:
-    """Per group, the spec kind and window vLLM annotates its `BlockStored` events with."""
+    """Per group, the spec kind and window vLLM annotates its `BlockStored` events with (its
+    own kind names, which differ from pagedkv's for specs pagedkv translates)."""
     return tuple(
         (
             get_kv_cache_spec_kind(group.kv_cache_spec).value,
@@ -298,12 +298,8 @@ class PagedKVCacheManager:
         events = self.core.block_pool.take_events()
         if not events:
             return []
-        metadata = self.kv_cache_event_metadata
-        for event in events:
-            if type(event) is BlockStored and event.group_idx is not None:
-                kind, sliding_window = metadata[event.group_idx]
-                event.kv_cache_spec_kind = kind
-                event.kv_cache_spec_sliding_window = sliding_window
+        # The core's annotation, with vLLM's names for the spec kinds.
+        annotate_block_stored(events, self.kv_cache_event_metadata)
         return to_vllm_events(events)
 
     def take_new_block_ids(self) -> list[int]:

@@ -1,35 +1,40 @@
-"""Facade: the scheduler-facing KV-cache manager (the reference's `KVCacheManager` API).
+"""Facade layer: the scheduler-facing KV-cache manager (the reference's `KVCacheManager` API).
 
-Validates every argument before touching state, applies the watermark and admission gates,
-and drives the coordinator. Knows nothing of scheduling policy. The allocation paths live here;
-reads, stats and events (`kv_cache_manager_reports`), the host-tier methods
-(`kv_cache_manager_host`) and keys-only replay (`kv_cache_manager_replay`) are its bases.
+Validates every argument before touching state (`checks`), applies the watermark and admission
+gates, and drives the coordinator; reads, stats, events (annotated through `events`), the
+host-tier methods and keys-only replay are its thin rest. Knows nothing of scheduling policy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from pagedkv.admission import AllocationChecker, check_count, check_manager_config
-from pagedkv.block import KVCacheBlock
+from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockResidencyObserver
 from pagedkv.coordinators import make_coordinator, make_running_allocator
 from pagedkv.errors import (
+    ConfigError,
     InvalidArgumentError,
+    InvariantViolation,
     RequestStateError,
 )
-from pagedkv.eviction import EvictionConfig, as_eviction_config
+from pagedkv.events import KVCacheEvent
+from pagedkv.eviction import EvictionConfig, EvictionStats, as_eviction_config
 from pagedkv.kv_cache_blocks import ComputedBlocks, DecodeSlots, KVCacheBlocks
-from pagedkv.kv_cache_manager_host import KVCacheManagerHostTier, check_host_tier_layout
-from pagedkv.kv_cache_manager_replay import KVCacheManagerReplay
-from pagedkv.kv_cache_manager_reports import KVCacheManagerReports, event_metadata
+from pagedkv.kv_cache_manager.checks import (
+    AllocationChecker,
+    check_count,
+    check_host_tier_layout,
+    check_manager_config,
+)
+from pagedkv.kv_cache_manager.events import annotate_block_stored, event_metadata
 from pagedkv.managers import FullAttentionManager
 from pagedkv.request import Request, RequestStatus
 from pagedkv.specs import KVCacheConfig, SpecDecodeConfig
 from pagedkv.stats import PrefixCacheStats
 
 
-class KVCacheManager(KVCacheManagerReports, KVCacheManagerHostTier, KVCacheManagerReplay):
+class KVCacheManager:
     """Paged KV-cache blocks for a scheduler, with prefix caching.
 
     Contracts: `get_computed_blocks` changes nothing; `allocate_slots` validates and counts
@@ -442,3 +447,187 @@ class KVCacheManager(KVCacheManagerReports, KVCacheManagerHostTier, KVCacheManag
 
     def new_step_starts(self) -> None:
         self.coordinator.new_step_starts()
+
+    # ------------------------------------------------------------------ reads, stats and events
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_eviction_stats(self) -> EvictionStats:
+        """The eviction policy, retention and host-tier counters (`pagedkv.eviction`)."""
+        return self.block_pool.get_eviction_stats()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Return the stats gathered since the last call and start new ones (None if off)."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count one admitted request's lookup (preempted requests apart)."""
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        # None only with allow_none=True and no blocks; the default never returns it.
+        return self.get_blocks(request_id).get_block_ids()  # type: ignore[return-value]
+
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
+        if all(not group for group in blocks):
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(blocks)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, leading blocks of the request held by every request holding blocks."""
+        return self.coordinator.get_num_common_prefix_blocks(running_request_id)
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        """Block ids per group, token-indexed groups clipped to the computed tokens' blocks.
+
+        Cross-attention and Mamba groups are not indexed by decoder tokens: kept whole.
+        """
+        check_count("num_computed_tokens", num_computed_tokens)
+        return self.coordinator.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        """Tokens of the request's prefix in the prefix cache: per cacheable group, the end of
+        its last hashed block; the minimum over groups (0 if none)."""
+        return self.coordinator.estimate_cached_tokens(request.request_id)
+
+    def take_new_block_ids(self) -> list[int]:
+        """Drain the ids of attention blocks allocated since the last call, for the worker to
+        zero (recorded only with `KVCacheConfig.needs_kv_cache_zeroing`)."""
+        return self.coordinator.take_new_block_ids()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the pool's events, annotating `BlockStored` with its group's spec kind."""
+        events = self.block_pool.take_events()
+        annotate_block_stored(events, self.kv_cache_event_metadata)
+        return events
+
+    def check_invariants(self, held_outside: Iterable[KVCacheBlock] = ()) -> None:
+        """Check the pool, every manager and the facade's request registry.
+
+        `held_outside`: blocks popped by `pop_blocks_for_free` and not freed yet (each
+        occurrence is one reference no block table accounts for).
+        """
+        self.coordinator.check_invariants(held_outside)
+        null_block = self.block_pool.null_block
+        for group_id, manager in enumerate(self.coordinator.single_type_managers):
+            for request_id, blocks in manager.req_to_blocks.items():
+                request = self._requests.get(request_id)
+                if request is None:
+                    raise InvariantViolation(f"request {request_id!r} holds blocks but is unknown")
+                if not manager.enable_caching:
+                    continue
+                hashes = manager.resolve_hashes(request.block_hashes)
+                for index in range(manager.num_cached_block.get(request_id, 0)):
+                    block = blocks[index]
+                    if block is null_block or block.block_hash is None:
+                        continue  # evict_blocks may drop the entry of a held block
+                    if (
+                        index >= len(hashes)
+                        or block.block_hash != hashes[index]
+                        or block.hash_group_id != group_id
+                    ):
+                        raise InvariantViolation(
+                            f"request {request_id!r}: block {block.block_id} at position {index} "
+                            f"of group {group_id} is cached under another hash"
+                        )
+        usage = self.usage
+        if not 0.0 <= usage <= 1.0:
+            raise InvariantViolation(f"usage {usage} outside [0, 1]")
+
+    # ------------------------------------------------------------------ the host-memory tier
+
+    def get_num_host_hit_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens right after the first `num_computed_tokens` that the host-memory tier holds
+        (whole blocks; at most `num_tokens - 1` in all, as for device hits). Changes nothing.
+
+        Returns:
+            0 without a host tier; else pass the count to `allocate_slots` as
+            `num_external_computed_tokens`, then call `load_from_host` once it is allocated.
+        """
+        host = self.block_pool.host_tier
+        if host is None or request.skip_reading_prefix_cache:
+            return 0
+        check_count("num_computed_tokens", num_computed_tokens)
+        block_size = self.hash_block_size
+        stop = min((request.num_tokens - 1) // block_size, len(request.block_hashes))
+        start = num_computed_tokens // block_size
+        if num_computed_tokens % block_size or start > stop:
+            raise InvalidArgumentError(
+                f"num_computed_tokens={num_computed_tokens} is not a whole number of "
+                f"{block_size}-token blocks within request {request.request_id!r}'s prompt"
+            )
+        return host.count_hits(request.block_hashes, start, stop) * block_size
+
+    def load_from_host(self, request: Request, num_computed_tokens: int, num_tokens: int) -> None:
+        """Record the load of tokens `[num_computed_tokens, +num_tokens)` from the host tier
+        into the request's blocks (call after `allocate_slots` took them as external tokens):
+        the host entries become its most recently used (promotion keeps the host copy)."""
+        host = self.block_pool.host_tier
+        if host is None or num_tokens == 0:
+            return
+        block_size = self.hash_block_size
+        check_count("num_computed_tokens", num_computed_tokens)
+        check_count("num_tokens", num_tokens)
+        if (
+            num_computed_tokens % block_size
+            or num_tokens % block_size
+            or (self._requests.get(request.request_id) is not request)
+        ):
+            raise RequestStateError(
+                f"request {request.request_id!r}: load_from_host({num_computed_tokens}, "
+                f"{num_tokens}) needs whole blocks of a request holding blocks here"
+            )
+        start = num_computed_tokens // block_size
+        # Entries the allocation itself pushed out were read before their slot was reused.
+        host.promote(request.block_hashes[start : start + num_tokens // block_size])
+
+    # ------------------------------------------------------------------ keys-only replay
+
+    def try_prefill_and_free(
+        self, block_hashes: Sequence[BlockHash], num_tokens: int
+    ) -> int | None:
+        """Run a prompt through as a request that arrives alone, computes it and finishes.
+
+        Block for block the same as `get_computed_blocks`, `allocate_slots(request, num_tokens
+        - hit, hit, hit_blocks, has_scheduled_reqs=False)` and `free` of a request with these
+        block hashes, without building the request: for trace replay, where only the keys
+        matter. Keys are only compared (a hasher's digests, or any hashable keys equal iff the
+        prefixes are equal). Needs one full-attention group and KV events off (a BlockStored
+        event carries token ids). Changes nothing unless the whole prompt fits.
+
+        Returns:
+            The prompt's prefix-hit tokens, or None if it does not fit.
+        """
+        manager = self._fast_manager
+        if manager is None or self.enable_kv_cache_events:
+            raise ConfigError(
+                "try_prefill_and_free needs one full-attention KV-cache group and KV events "
+                "off; use get_computed_blocks, allocate_slots and free"
+            )
+        check_count("num_tokens", num_tokens, 1)
+        if num_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"a {num_tokens}-token prompt exceeds max_model_len {self.max_model_len}"
+            )
+        num_full_blocks = num_tokens // manager.block_size
+        if self.enable_caching and len(block_hashes) < num_full_blocks:
+            raise InvalidArgumentError(
+                f"a {num_tokens}-token prompt has {num_full_blocks} full blocks but "
+                f"{len(block_hashes)} block hashes"
+            )
+        return manager.prefill_and_free(block_hashes, num_tokens)

@@ -1,32 +1,29 @@
-"""Block pool: owns every block, the free blocks (LRU order, or an eviction policy's), the
-prefix-cache hash map, the null block, the event queue and the optional host-memory tier.
-Knows nothing of requests' lifecycles or attention types.
+"""Block pool layer: `BlockPool` owns every block, the free blocks (LRU order, or an eviction
+policy's), the prefix-cache hash map, the null block, the event queue and the optional
+host-memory tier. Knows nothing of requests' lifecycles or attention types.
+
+The hot methods keep the common case inline; the functions at the end are their general twins
+(an eviction policy, metrics or a host tier, duplicate hashes, a double free), each with exactly
+its hot twin's result (block ids, free order, events).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from pagedkv.block import BlockHash, KVCacheBlock
-from pagedkv.block_pool_events import block_stored_event
-from pagedkv.block_pool_general import (
-    BlockResidencyObserver,
-    drop_entry_with_duplicates,
-    evict_for_reuse,
-    free_blocks_to_policy,
-    touch_with_policy,
-    undo_free,
-)
-from pagedkv.block_pool_inspect import BlockPoolInspection, check_pool_args
+from pagedkv.block_pool.checks import check_pool_args, check_pool_invariants
+from pagedkv.block_pool.events import block_stored_event
 from pagedkv.errors import InvalidArgumentError, InvariantViolation
 from pagedkv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
 from pagedkv.eviction import (
     DEFAULT_EVICTION,
     EvictionConfig,
     EvictionPolicy,
+    EvictionStats,
     FreeBlockSet,
     HostTier,
     make_free_blocks,
@@ -36,7 +33,17 @@ from pagedkv.free_queue import FreeKVCacheBlockQueue
 if TYPE_CHECKING:
     from pagedkv.request import Request
 
-logger = logging.getLogger(__name__)
+# The name the pool has always logged under (`pagedkv.block_pool`), whatever file holds it.
+logger = logging.getLogger("pagedkv.block_pool")
+
+
+class BlockResidencyObserver(Protocol):
+    """Hooks for sampled block-residency metrics (see `pagedkv.metrics.residency`)."""
+
+    def on_block_allocated(self, block: KVCacheBlock) -> None: ...
+    def on_block_accessed(self, block: KVCacheBlock) -> None: ...
+    def on_block_evicted(self, block: KVCacheBlock) -> None: ...
+    def reset(self) -> None: ...
 
 
 def _make_blocks(num_blocks: int) -> list[KVCacheBlock]:
@@ -59,7 +66,7 @@ def _make_blocks(num_blocks: int) -> list[KVCacheBlock]:
     return blocks
 
 
-class BlockPool(BlockPoolInspection):
+class BlockPool:
     """All KV-cache blocks of one device, shared by every KV-cache group.
 
     Invariants (`check_invariants`):
@@ -187,7 +194,7 @@ class BlockPool(BlockPoolInspection):
                 self.eviction_epoch += num_evicted
             else:
                 events = self.kv_event_queue if self.enable_kv_cache_events else None
-                evict_for_reuse(blocks, self._maybe_evict_cached_block, self.host_tier, events)
+                _evict_for_reuse(blocks, self._maybe_evict_cached_block, self.host_tier, events)
         else:
             for block in blocks:
                 block.ref_cnt = 1
@@ -199,7 +206,8 @@ class BlockPool(BlockPoolInspection):
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add a reference to each block (a prefix hit), taking free ones out of the free queue."""
         if self.eviction_policy is not None:
-            touch_with_policy(blocks, self.eviction_policy, self.null_block, self.metrics_collector)
+            policy, collector = self.eviction_policy, self.metrics_collector
+            _touch_with_policy(blocks, policy, self.null_block, collector)
             return
         null_block = self.null_block
         remove = self.free_block_queue.remove
@@ -226,7 +234,7 @@ class BlockPool(BlockPoolInspection):
         if not isinstance(ordered_blocks, (list, tuple)):
             ordered_blocks = list(ordered_blocks)  # C-level copy; lets a bad call be undone
         if self.eviction_policy is not None:
-            free_blocks_to_policy(self.free_block_queue, self.null_block, ordered_blocks)
+            _free_blocks_to_policy(self.free_block_queue, self.null_block, ordered_blocks)
             return
         # No policy: the free set is the reference's plain queue (the annotation narrows the
         # `FreeBlockSet` protocol and costs nothing at run time). The `union-attr` and
@@ -263,7 +271,7 @@ class BlockPool(BlockPoolInspection):
                 num_kept += 1
             else:
                 num_done = len(ordered_blocks) - sum(1 for _ in blocks) - 1
-                undo_free(ordered_blocks[:num_done], old_last, tail, chain, null_block)  # type: ignore[arg-type]
+                _undo_free(ordered_blocks[:num_done], old_last, tail, chain, null_block)  # type: ignore[arg-type]
                 raise InvalidArgumentError(
                     f"free_blocks: block {block.block_id} is already free (ref_cnt 0); "
                     "were these blocks freed twice?"
@@ -385,7 +393,7 @@ class BlockPool(BlockPoolInspection):
                     f"block {block.block_id} has a hash but is not in the hash map"
                 )
         else:
-            drop_entry_with_duplicates(hash_map, duplicates, block, block_hash)
+            _drop_entry_with_duplicates(hash_map, duplicates, block, block_hash)
         block.block_hash = None
         block.hash_group_id = 0
         self.eviction_epoch += 1
@@ -443,3 +451,177 @@ class BlockPool(BlockPoolInspection):
             return []
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
+
+    # ------------------------------------------------------------------ reads
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks in use (cached-but-free blocks count as free)."""
+        usable = self.num_gpu_blocks - 1
+        return 1.0 - self.free_block_queue.num_free_blocks / usable
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in eviction order (head, the next to reuse, first)."""
+        return [block.block_id for block in self.free_block_queue]
+
+    def cached_hashes(self, kv_cache_group_id: int = 0) -> dict[BlockHash, list[int]]:
+        """Hash → cached block ids (first-cached first) for one group."""
+        out = {h: [b.block_id] for h, b in self.hash_to_block[kv_cache_group_id].items()}
+        for block_hash, others in self._duplicates[kv_cache_group_id].items():
+            out[block_hash].extend(others)
+        return out
+
+    def get_eviction_stats(self) -> EvictionStats:
+        """The eviction policy's name and the retention and host-tier counters."""
+        policy = self.eviction_policy
+        retention = policy.retention if policy is not None else None
+        host = self.host_tier
+        return EvictionStats(
+            self.eviction_config.policy,
+            retention.num_retained_blocks if retention is not None else 0,
+            retention.num_demoted_blocks if retention is not None else 0,
+            retention.num_lapsed_blocks if retention is not None else 0,
+            len(host) if host is not None else 0,
+            host.num_demoted_blocks if host is not None else 0,
+            host.num_evicted_blocks if host is not None else 0,
+            host.num_promoted_blocks if host is not None else 0,
+        )
+
+    def num_cached_blocks(self) -> int:
+        """Blocks currently in the prefix cache, all groups."""
+        return sum(len(m) for m in self.hash_to_block) + sum(
+            len(d) for dups in self._duplicates for d in dups.values()
+        )
+
+    def check_invariants(self) -> None:
+        """Verify the invariants of the class docstring; raise `InvariantViolation` on the
+        first broken one."""
+        check_pool_invariants(
+            self.blocks,
+            self.null_block,
+            self.free_block_queue,
+            self.host_tier,
+            self.hash_to_block,
+            self._duplicates,
+            self.enable_caching,
+        )
+
+
+# ---------------------------------------------------------------------- the general twins
+
+
+def _free_blocks_to_policy(
+    policy: FreeBlockSet, null_block: KVCacheBlock, ordered_blocks: Sequence[KVCacheBlock]
+) -> None:
+    """`BlockPool.free_blocks` with an eviction policy: the blocks reaching zero go to the policy
+    in two runs (unhashed ones to be reused first, hashed ones in the order given). A double
+    free raises `InvalidArgumentError` with every reference given back."""
+    to_head: list[KVCacheBlock] = []
+    to_tail: list[KVCacheBlock] = []
+    for index, block in enumerate(ordered_blocks):
+        if block is null_block:
+            continue
+        ref_cnt = block.ref_cnt - 1
+        if ref_cnt > 0:
+            block.ref_cnt = ref_cnt
+        elif ref_cnt == 0:
+            block.ref_cnt = 0
+            if block.block_hash is None:
+                to_head.append(block)
+            else:
+                to_tail.append(block)
+        else:
+            for freed in ordered_blocks[:index]:
+                if freed is not null_block:
+                    freed.ref_cnt += 1
+            raise InvalidArgumentError(
+                f"free_blocks: block {block.block_id} is already free (ref_cnt 0); "
+                "were these blocks freed twice?"
+            )
+    if to_head:
+        policy.prepend_n(to_head)
+    if to_tail:
+        policy.append_n(to_tail)
+
+
+def _undo_free(
+    done: Sequence[KVCacheBlock],
+    old_last: KVCacheBlock,
+    tail: KVCacheBlock,
+    head_chain: KVCacheBlock,
+    null_block: KVCacheBlock,
+) -> None:
+    """Give back the references the plain queue's `free_blocks` dropped from `done` and unlink
+    what it linked: the blocks after `old_last` (the tail before the call) and the side chain
+    hanging from `head_chain`, which was not spliced in yet."""
+    old_last.next_free_block = tail
+    tail.prev_free_block = old_last
+    head_chain.next_free_block = None
+    for block in done:
+        if block is null_block:
+            continue
+        block.ref_cnt += 1
+        if block.ref_cnt == 1:  # it had reached zero and was linked
+            block.prev_free_block = block.next_free_block = None
+
+
+def _evict_for_reuse(
+    blocks: Sequence[KVCacheBlock],
+    evict: Callable[[KVCacheBlock], bool],
+    host: HostTier | None,
+    events: list[KVCacheEvent] | None,
+) -> None:
+    """`BlockPool.get_new_blocks` with metrics on or a host tier: drop the cache entries of the
+    blocks popped for reuse through `evict` (the pool's general eviction), demote them to the
+    host tier, and take a reference on each."""
+    for block in blocks:
+        block_hash = block.block_hash
+        if block_hash is not None:
+            group_id = block.hash_group_id
+            evict(block)
+            if host is not None:
+                host.demote(block_hash, group_id, events)
+        block.ref_cnt = 1
+
+
+def _touch_with_policy(
+    blocks: Sequence[KVCacheBlock],
+    policy: EvictionPolicy,
+    null_block: KVCacheBlock,
+    collector: BlockResidencyObserver | None,
+) -> None:
+    """`BlockPool.touch` with an eviction policy, which also hears of hits on blocks other
+    requests hold (and adds the reference to each block)."""
+    policy.take_hits(blocks, null_block)
+    if collector is not None:
+        for block in blocks:
+            if block is not null_block:
+                collector.on_block_accessed(block)
+
+
+def _drop_entry_with_duplicates(
+    hash_map: dict[BlockHash, KVCacheBlock],
+    duplicates: dict[BlockHash, dict[int, KVCacheBlock]],
+    block: KVCacheBlock,
+    block_hash: BlockHash,
+) -> None:
+    """Remove `block` from one group's hash map when the group has duplicate hashes: a primary
+    entry hands over to the earliest remaining duplicate (lookups keep "first cached wins"), a
+    duplicate just leaves. Raise `InvariantViolation` if the block is in neither."""
+    if hash_map.get(block_hash) is block:
+        others = duplicates.get(block_hash)
+        if others:
+            promoted_id = next(iter(others))
+            hash_map[block_hash] = others.pop(promoted_id)
+            if not others:
+                del duplicates[block_hash]
+        else:
+            del hash_map[block_hash]
+        return
+    others = duplicates.get(block_hash)
+    if others is None or others.pop(block.block_id, None) is None:
+        raise InvariantViolation(f"block {block.block_id} has a hash but is not in the hash map")
+    if not others:
+        del duplicates[block_hash]

@@ -1,4 +1,5 @@
-"""Admission checks for the facade: every `allocate_slots` argument against the current state.
+"""Facade layer, checks: a `KVCacheManager`'s constructor arguments and every `allocate_slots`
+argument against the current state.
 
 Raises a specific `PagedKVError` naming the bad value before anything changes. Knows the live
 request registry and the pool, never allocates.
@@ -20,7 +21,7 @@ from pagedkv.errors import (
     RequestStateError,
 )
 from pagedkv.kv_cache_blocks import KVCacheBlocks
-from pagedkv.managers import MambaManager, SingleTypeKVCacheManager
+from pagedkv.managers import FullAttentionManager, MambaManager, SingleTypeKVCacheManager
 from pagedkv.request import Request, RequestStatus
 from pagedkv.specs import KVCacheConfig, MambaSpec, SlidingWindowSpec, SpecDecodeConfig, cdiv
 
@@ -88,6 +89,16 @@ def check_manager_config(
     _check_spec_decode(kv_cache_config, scheduler_block_size, enable_caching, spec_decode)
     _check_retention_interval(kv_cache_config, scheduler_block_size)
     return scheduler_block_size, hash_block_size
+
+
+def check_host_tier_layout(
+    block_pool: BlockPool, managers: Sequence[SingleTypeKVCacheManager]
+) -> None:
+    """Raise `ConfigError` unless a pool with a host tier serves one full-attention group."""
+    if block_pool.host_tier is not None and (
+        len(managers) != 1 or type(managers[0]) is not FullAttentionManager
+    ):
+        raise ConfigError("the host-memory tier needs one full-attention KV-cache group")
 
 
 def _check_spec_decode(
