@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from pagedkv.eviction import ONLINE_POLICY_NAMES, POLICY_NAMES
+from pagedkv.eviction import EVICTION_POLICY_NAMES, ONLINE_POLICY_NAMES
 from pagedkv.sim.eviction_replay import replay_policies
 from pagedkv.sim.eviction_report import gap_closed
 from pagedkv.sim.traces import load_trace
@@ -74,7 +74,7 @@ def run(trace_names: list[str], block_sizes: list[int], policies: list[str]) -> 
 def table() -> str:
     """One markdown row per (trace, block size, capacity): hit rate per policy, the best
     online policy and the share of the LRU-to-Belady gap it closes."""
-    header = ["trace", "block", "capacity", *POLICY_NAMES, "best online", "gap closed"]
+    header = ["trace", "block", "capacity", *EVICTION_POLICY_NAMES, "best online", "gap closed"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for path in sorted(RESULTS.glob("eviction_*_*.json")):
         _, name, block_size = path.stem.split("_")
@@ -89,7 +89,7 @@ def table() -> str:
             if best and "lru" in rates and "belady" in rates:
                 closed = gap_closed(rates["lru"], online[best], rates["belady"])
             cells = [name, block_size, f"{capacity // 1_000_000}M"]
-            cells += [f"{100 * rates[p]:.2f}" if p in rates else "" for p in POLICY_NAMES]
+            cells += [f"{100 * rates[p]:.2f}" if p in rates else "" for p in EVICTION_POLICY_NAMES]
             cells += [best or "", "" if closed is None else f"{100 * closed:.0f} %"]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -100,7 +100,7 @@ def main() -> int:
     parser.add_argument("what", choices=("run", "table"))
     parser.add_argument("--traces", default="conversation,synthetic")
     parser.add_argument("--block-sizes", default="512,16")
-    parser.add_argument("--policies", default=",".join(POLICY_NAMES))
+    parser.add_argument("--policies", default=",".join(EVICTION_POLICY_NAMES))
     args = parser.parse_args()
     if args.what == "run":
         run(

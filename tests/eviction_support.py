@@ -10,9 +10,9 @@ from conftest import make_manager
 
 from pagedkv import BlockRemoved, BlockStored, KVCacheManager
 from pagedkv.block import BlockHash
-from pagedkv.eviction import NEVER, POLICY_NAMES, EvictionConfig
+from pagedkv.eviction import EVICTION_POLICY_NAMES, NEVER, EvictionConfig
 
-ALL_POLICIES = POLICY_NAMES
+ALL_POLICIES = EVICTION_POLICY_NAMES
 
 
 class HashOrderOracle:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv import host_memory
+from pagedkv import memory_guard
 from pagedkv.cli import main
 
 DATA = Path(__file__).parent / "data"
@@ -190,7 +190,7 @@ def test_missing_extras_are_named_before_the_run(capsys, monkeypatch, args, modu
 
 @pytest.fixture
 def eight_gib(monkeypatch):
-    monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: 8 * GIB)
+    monkeypatch.setattr(memory_guard, "available_memory_bytes", lambda: 8 * GIB)
 
 
 @pytest.mark.parametrize(

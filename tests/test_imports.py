@@ -27,7 +27,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "src" / "pagedkv"
 LAYERS: dict[str, int] = {
     # leaves
     "errors": 0,
-    "host_memory": 1,  # memory estimates and the machine's available memory
+    "memory_guard": 1,  # this machine's memory guard: estimates, what is left, check_fits
     "block": 1,
     "specs": 1,
     "stats": 1,
@@ -65,7 +65,7 @@ LAYERS: dict[str, int] = {
 # The core: these may import only the standard library and pagedkv at import time.
 CORE = {
     "errors",
-    "host_memory",
+    "memory_guard",
     "block",
     "specs",
     "stats",
@@ -102,7 +102,7 @@ ABOVE_LEAVES = {
 }
 LEAVES = {
     "errors",
-    "host_memory",
+    "memory_guard",
     "block",
     "specs",
     "stats",

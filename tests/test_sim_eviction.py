@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pagedkv.cli import main
 from pagedkv.errors import RequestStateError
-from pagedkv.eviction import NEVER, ONLINE_POLICY_NAMES, POLICY_NAMES
+from pagedkv.eviction import EVICTION_POLICY_NAMES, NEVER, ONLINE_POLICY_NAMES
 from pagedkv.sim.cost_model import get_profile
 from pagedkv.sim.eviction_replay import parse_policies, replay_policies
 from pagedkv.sim.eviction_report import gap_closed
@@ -73,7 +73,7 @@ prompt = st.lists(st.integers(0, 30), min_size=1, max_size=10)
 )
 def test_belady_bounds_every_online_policy(prefixes, picks, capacity):
     prompts = [prefixes[i % len(prefixes)] + suffix for i, suffix in picks]
-    points = replay_policies(explicit_trace(prompts), [capacity], POLICY_NAMES, 4)
+    points = replay_policies(explicit_trace(prompts), [capacity], EVICTION_POLICY_NAMES, 4)
     hits = {point.policy: point.num_device_hit_tokens for point in points}
     assert all(hits[name] <= hits["belady"] for name in ONLINE_POLICY_NAMES), hits
     not_fit = {point.num_requests_not_fit for point in points}
@@ -93,7 +93,7 @@ def test_a_host_tier_adds_host_hits_and_never_loses_device_hits():
 
 
 def test_policy_lists_and_gap_closed():
-    assert parse_policies("all") == list(POLICY_NAMES)
+    assert parse_policies("all") == list(EVICTION_POLICY_NAMES)
     assert parse_policies(" LRU, belady,lru") == ["lru", "belady"]
     with pytest.raises(ValueError, match="unknown policy 'mru'"):
         parse_policies("lru,mru")

@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from pagedkv import HostMemoryError, host_memory
+from pagedkv import HostMemoryError, memory_guard
 from pagedkv.sim.traces import MAX_TRACE_BLOCKS, TraceFormatError, load_trace
 
 
@@ -98,7 +98,7 @@ def test_fresh_prompts_take_consecutive_blocks_without_a_table_entry_each(tmp_pa
 
 def test_a_line_too_long_to_parse_is_refused_before_it_is_read_whole(tmp_path, monkeypatch):
     # 25 bytes of parsed JSON per byte of line: 250,000 bytes available allow 10,000-byte lines.
-    monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: 250_000)
+    monkeypatch.setattr(memory_guard, "available_memory_bytes", lambda: 250_000)
     monkeypatch.setattr("pagedkv.sim.traces.available_memory_bytes", lambda: 250_000)
     ids = list(range(20))
     short = json.dumps({"prompt_token_ids": ids, "output_length": 1})
@@ -115,8 +115,8 @@ def test_a_line_too_long_to_parse_is_refused_before_it_is_read_whole(tmp_path, m
 
 def test_a_trace_too_large_for_memory_is_refused_at_the_line_that_overflows(tmp_path, monkeypatch):
     # Every request is estimated at ~720 bytes (600 + a run); 2,000 bytes fit two of them.
-    monkeypatch.setattr(host_memory, "MIN_CHECKED_BYTES", 1)
-    monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: 2_000)
+    monkeypatch.setattr(memory_guard, "MIN_CHECKED_BYTES", 1)
+    monkeypatch.setattr(memory_guard, "available_memory_bytes", lambda: 2_000)
     path = write_lines(tmp_path / "t.jsonl", [GOOD] * 5)
     with pytest.raises(
         HostMemoryError, match=rf"^loading {path} \(up to line 3\) needs an estimated"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.errors import ConfigError, InvariantViolation
 from pagedkv.eviction import EvictionConfig, FreeBlockSet, HostTier
-from pagedkv.host_memory import BYTES_PER_BLOCK, check_fits
+from pagedkv.memory_guard import BYTES_PER_POOL_BLOCK, check_fits
 
 
 def check_pool_args(
@@ -28,7 +28,7 @@ def check_pool_args(
         raise ConfigError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
     if num_kv_cache_groups < 1:
         raise ConfigError(f"num_kv_cache_groups={num_kv_cache_groups} must be >= 1")
-    check_fits(f"a pool of {num_blocks:,} blocks", num_blocks * BYTES_PER_BLOCK)
+    check_fits(f"a pool of {num_blocks:,} blocks", num_blocks * BYTES_PER_POOL_BLOCK)
     if not isinstance(num_hash_lookahead_tokens, int) or num_hash_lookahead_tokens < 0:
         raise ConfigError(
             f"num_hash_lookahead_tokens must be an int >= 0, got {num_hash_lookahead_tokens!r}"

@@ -138,9 +138,9 @@ def check_plot_file(path_text: str) -> Path:
 
 def check_pools_fit(what: str, num_blocks: int) -> None:
     """Pools of `num_blocks` blocks in all fit in this machine's memory."""
-    from pagedkv.host_memory import BYTES_PER_BLOCK, check_fits
+    from pagedkv.memory_guard import BYTES_PER_POOL_BLOCK, check_fits
 
-    check_fits(what, num_blocks * BYTES_PER_BLOCK)
+    check_fits(what, num_blocks * BYTES_PER_POOL_BLOCK)
 
 
 # ---------------------------------------------------------------------------- pagedkv simulate
@@ -151,7 +151,7 @@ def check_simulate_args(args: argparse.Namespace, cost_model: Any, *, cluster: b
     output file, profile, memory for the pools or the workload). `cluster`: several
     instances will run (their own checks are `_cluster.preflight`)."""
     from pagedkv.errors import InvalidArgumentError
-    from pagedkv.host_memory import BYTES_PER_WORKLOAD_REQUEST, check_fits
+    from pagedkv.memory_guard import BYTES_PER_WORKLOAD_REQUEST, check_fits
     from pagedkv.sim.replay import parse_capacities
 
     check_hash_algorithm(args.hash_algorithm)
@@ -185,7 +185,7 @@ def check_simulate_trace(args: argparse.Namespace, trace: Any) -> None:
     """`pagedkv simulate`: the checks that need the trace (scaled arrival times stay exact;
     the longest prompt fits in memory for replay)."""
     from pagedkv.errors import InvalidArgumentError
-    from pagedkv.host_memory import BYTES_PER_PROMPT_TOKEN, check_fits
+    from pagedkv.memory_guard import BYTES_PER_PROMPT_TOKEN, check_fits
     from pagedkv.sim.traces import MAX_TIMESTAMP_MS
 
     last_arrival_s = max((r.arrival_time_s for r in trace.requests), default=0.0)

@@ -96,6 +96,7 @@ def replay(
             args.hash_algorithm,
             host,
             progress,
+            hash_tokens=args.hash_tokens,
         )
     finally:
         progress.close()

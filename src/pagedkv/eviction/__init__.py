@@ -27,10 +27,12 @@ from pagedkv.eviction.retention_levels import RetentionLevels
 from pagedkv.eviction.s3fifo import S3FIFOPolicy
 from pagedkv.free_queue import FreeKVCacheBlockQueue
 
-POLICY_NAMES = ("lru", "lfu", "s3fifo", "arc", "cost", "belady")
-"""Every eviction policy, by name."""
-ONLINE_POLICY_NAMES = POLICY_NAMES[:-1]
+EVICTION_POLICY_NAMES = ("lru", "lfu", "s3fifo", "arc", "cost", "belady")
+"""Every eviction policy, by name (routing policies: `pagedkv.router.ROUTING_POLICY_NAMES`)."""
+ONLINE_POLICY_NAMES = EVICTION_POLICY_NAMES[:-1]
 """The policies a serving engine can run (belady needs the future)."""
+POLICY_NAMES = EVICTION_POLICY_NAMES
+"""The old name of `EVICTION_POLICY_NAMES`, kept for callers."""
 
 
 class FreeBlockSet(Protocol):
@@ -70,9 +72,10 @@ class EvictionConfig:
     attention_crossover_tokens: int = DEFAULT_ATTENTION_CROSSOVER_TOKENS
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICY_NAMES:
+        if self.policy not in EVICTION_POLICY_NAMES:
             raise ConfigError(
-                f"unknown eviction policy {self.policy!r}; choose one of {list(POLICY_NAMES)}"
+                f"unknown eviction policy {self.policy!r}; "
+                f"choose one of {list(EVICTION_POLICY_NAMES)}"
             )
         if (self.policy == "belady") != (self.oracle is not None):
             raise ConfigError(
@@ -156,6 +159,7 @@ def make_free_blocks(config: EvictionConfig, blocks: list[KVCacheBlock]) -> Free
 
 __all__ = [
     "DEFAULT_EVICTION",
+    "EVICTION_POLICY_NAMES",
     "NEVER",
     "ONLINE_POLICY_NAMES",
     "POLICY_NAMES",

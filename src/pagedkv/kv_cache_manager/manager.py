@@ -63,7 +63,7 @@ class KVCacheManager:
         pcp_world_size: int = 1,
     ) -> None:
         """Args (beyond the reference's first ten, which keep their order):
-        eviction: the eviction policy (a name from `pagedkv.eviction.POLICY_NAMES`) or an
+        eviction: the eviction policy (a name from `pagedkv.eviction.EVICTION_POLICY_NAMES`) or an
             `EvictionConfig` with retention and a host-memory tier; default plain LRU.
         use_eagle, num_prefill_lookahead, num_hash_lookahead_tokens: see `SpecDecodeConfig`.
         dcp_world_size, pcp_world_size: context parallelism; only 1 is implemented.

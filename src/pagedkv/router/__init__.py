@@ -15,6 +15,7 @@ from pagedkv.router.index import (
 )
 from pagedkv.router.policies import (
     POLICY_NAMES,
+    ROUTING_POLICY_NAMES,
     LeastLoadedPolicy,
     PrefixAwarePolicy,
     RoundRobinPolicy,
@@ -31,6 +32,7 @@ from pagedkv.router.router import (
 
 __all__ = [
     "POLICY_NAMES",
+    "ROUTING_POLICY_NAMES",
     "IndexLostError",
     "IndexUnavailableError",
     "InstanceState",

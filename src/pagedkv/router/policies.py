@@ -8,7 +8,10 @@ from typing import Protocol
 
 from pagedkv.errors import InvalidArgumentError
 
-POLICY_NAMES = ("round-robin", "least-loaded", "prefix-aware")
+ROUTING_POLICY_NAMES = ("round-robin", "least-loaded", "prefix-aware")
+"""Every routing policy, by name (eviction policies: `pagedkv.eviction.EVICTION_POLICY_NAMES`)."""
+POLICY_NAMES = ROUTING_POLICY_NAMES
+"""The old name of `ROUTING_POLICY_NAMES`, kept for callers."""
 
 
 class RoutingPolicy(Protocol):
@@ -99,4 +102,6 @@ def make_policy(name: str, max_load_gap: float | None = None) -> RoutingPolicy:
         return LeastLoadedPolicy()
     if name == "prefix-aware":
         return PrefixAwarePolicy(max_load_gap)
-    raise InvalidArgumentError(f"unknown routing policy {name!r}; choose one of {POLICY_NAMES}")
+    raise InvalidArgumentError(
+        f"unknown routing policy {name!r}; choose one of {ROUTING_POLICY_NAMES}"
+    )

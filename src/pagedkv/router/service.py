@@ -22,7 +22,7 @@ from pagedkv.hashing import make_request_block_hasher
 from pagedkv.request import Request
 from pagedkv.router.feeds import EventFeeds
 from pagedkv.router.index import IndexUnavailableError, InMemoryPrefixIndex
-from pagedkv.router.policies import POLICY_NAMES, make_policy
+from pagedkv.router.policies import ROUTING_POLICY_NAMES, make_policy
 from pagedkv.router.router import Router
 from pagedkv.router.service_config import ServiceConfig
 
@@ -64,7 +64,9 @@ class RouterService:
             snapshot_source=self._snapshot,
             retry_interval_s=config.retry_interval_s,
         )
-        self.policies = {name: make_policy(name, config.max_load_gap) for name in POLICY_NAMES}
+        self.policies = {
+            name: make_policy(name, config.max_load_gap) for name in ROUTING_POLICY_NAMES
+        }
         self.policies[config.policy] = self.router.policy
         self.feeds = EventFeeds(self.router, config.instances, config.replay_timeout_s, context)
         self.hasher = make_request_block_hasher(config.block_size, config.hash_algorithm)
@@ -140,7 +142,9 @@ class RouterService:
         ids = self.candidates(body)
         name = body.get("policy", self.config.policy)
         if name not in self.policies:
-            raise InvalidArgumentError(f"unknown policy {name!r}; choose one of {POLICY_NAMES}")
+            raise InvalidArgumentError(
+                f"unknown policy {name!r}; choose one of {ROUTING_POLICY_NAMES}"
+            )
         loads = body.get("loads")
         track = loads is None
         if track:

@@ -11,7 +11,7 @@ from typing import Any
 from pagedkv.errors import ConfigError
 from pagedkv.hashing import HASH_ALGORITHMS
 from pagedkv.router.index import check_instance_id
-from pagedkv.router.policies import POLICY_NAMES
+from pagedkv.router.policies import ROUTING_POLICY_NAMES
 
 INSTANCE_FORMATS = ("pagedkv", "vllm")
 VLLM_HASH_ALGORITHM = "sha256_cbor"
@@ -99,8 +99,8 @@ class ServiceConfig:
             )
         if self.index != "memory" and not self.index.startswith(("redis://", "rediss://")):
             raise ConfigError(f"index must be 'memory' or redis://HOST:PORT, got {self.index!r}")
-        if self.policy not in POLICY_NAMES:
-            raise ConfigError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
+        if self.policy not in ROUTING_POLICY_NAMES:
+            raise ConfigError(f"policy must be one of {ROUTING_POLICY_NAMES}, got {self.policy!r}")
         if self.max_load_gap is not None and not self.max_load_gap >= 0:
             raise ConfigError(f"max_load_gap must be >= 0 or none, got {self.max_load_gap!r}")
         if not 0 <= self.port <= 65535:

@@ -18,7 +18,7 @@ from typing import Any
 from pagedkv.block import to_external_hash
 from pagedkv.errors import ConfigError, InvariantViolation
 from pagedkv.router import (
-    POLICY_NAMES,
+    ROUTING_POLICY_NAMES,
     IndexUnavailableError,
     Router,
     external_events,
@@ -531,8 +531,8 @@ def simulate_cluster(
     labelled `engine="<i>"` (or `"<policy>/<i>"` when several policies run).
     """
     for policy in policies:
-        if policy not in POLICY_NAMES:
-            raise ConfigError(f"unknown router {policy!r}; choose one of {POLICY_NAMES}")
+        if policy not in ROUTING_POLICY_NAMES:
+            raise ConfigError(f"unknown router {policy!r}; choose one of {ROUTING_POLICY_NAMES}")
     summaries = []
     for policy in policies:
         prefix = f"{policy}/" if len(policies) > 1 else ""

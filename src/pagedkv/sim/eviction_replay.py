@@ -4,34 +4,35 @@ One pass over the trace feeds one manager per (policy, capacity), each built wit
 and an optional host-memory tier. Per request, as `replay` does: device hits, then (with a
 host tier) the blocks the host holds, loaded back as external tokens, then the rest; free.
 `belady` reads the future from a `ReplayOracle` built in a first pass over the block keys.
-The managers are the real ones, so `lru` gives exactly `replay`'s hit rates.
+The managers are the real ones, so `lru` gives exactly `replay`'s hit rates. Blocks are keyed
+as in every simulator mode: by the trace's token runs (`TraceBlockHasher`), or by hashing the
+tokens with `hash_tokens`. Unlike `replay`, each prompt is a real `Request` (the host tier's
+lookup and load and the policies' hooks take one), built once and shared by every manager.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from pagedkv.errors import InvalidArgumentError
-from pagedkv.eviction import POLICY_NAMES, EvictionConfig
+from pagedkv.errors import HostMemoryError, InvalidArgumentError
+from pagedkv.eviction import EVICTION_POLICY_NAMES, EvictionConfig
 from pagedkv.hashing import RequestBlockHasher, make_request_block_hasher
 from pagedkv.kv_cache_manager import KVCacheManager
+from pagedkv.memory_guard import (
+    BYTES_PER_POOL_BLOCK,
+    HOST_TIER_BYTES_PER_BLOCK,
+    ORACLE_BYTES_PER_USE,
+    POLICY_BYTES_PER_BLOCK,
+    check_fits,
+)
 from pagedkv.request import Request
+from pagedkv.sim.block_keys import TraceBlockHasher
 from pagedkv.sim.future import ReplayOracle, hittable_keys
 from pagedkv.sim.traces import Trace, TraceRequest
 from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, cdiv
 
 ProgressCallback = Callable[[int], None]  # called with the number of requests done so far
-
-# Resident bytes per block of a pool with SHA-256 keys after two full turnovers (block, links,
-# hash and hash-map entry, the policy's per-block state and ghosts), measured with tracemalloc
-# (100k-block pools) and rounded up; the oracle's bytes per block use include the key lists it
-# keeps. The full conversation trace at block size 16, all six policies at 1M-16M tokens,
-# estimates 5.2 GiB and ran at about 4.8 GiB resident. Used to refuse a sweep that would not
-# fit in memory, before building it.
-BYTES_PER_BLOCK = {"lru": 320, "lfu": 330, "s3fifo": 580, "arc": 320, "cost": 400, "belady": 380}
-ORACLE_BYTES_PER_USE = 120
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,41 +65,34 @@ class PolicyPoint:
 def parse_policies(text: str) -> list[str]:
     """Parse `lru,lfu,belady` (or `all`) into policy names, in the order given."""
     if text.strip().lower() == "all":
-        return list(POLICY_NAMES)
+        return list(EVICTION_POLICY_NAMES)
     names = [item.strip().lower() for item in text.split(",") if item.strip()]
-    unknown = [name for name in names if name not in POLICY_NAMES]
+    unknown = [name for name in names if name not in EVICTION_POLICY_NAMES]
     if unknown or not names:
         raise InvalidArgumentError(
             f"--eviction {text!r}: unknown policy {unknown[0] if unknown else ''!r}; choose "
-            f"from {', '.join(POLICY_NAMES)} (comma-separated) or all"
+            f"from {', '.join(EVICTION_POLICY_NAMES)} (comma-separated) or all"
         )
     return list(dict.fromkeys(names))
 
 
 def estimate_memory_bytes(
-    policies: Sequence[str], capacities_blocks: Sequence[int], num_block_uses: int
+    policies: Sequence[str],
+    capacities_blocks: Sequence[int],
+    num_block_uses: int,
+    host_capacity_blocks: int = 0,
 ) -> int:
-    """Resident memory a sweep needs: every manager's pool, plus the oracle for belady."""
-    total = sum(BYTES_PER_BLOCK[p] * (c + 1) for p in policies for c in capacities_blocks)
+    """Resident memory a sweep needs: every manager's pool and host tier, plus the oracle for
+    belady (the per-item costs are `pagedkv.memory_guard`'s)."""
+    total = sum(
+        (BYTES_PER_POOL_BLOCK + POLICY_BYTES_PER_BLOCK[p]) * (c + 1)
+        for p in policies
+        for c in capacities_blocks
+    )
     if "belady" in policies:
         total += ORACLE_BYTES_PER_USE * num_block_uses
-    return total
-
-
-def available_memory_bytes() -> int | None:
-    """Memory the system can still give this process: Linux's MemAvailable (free memory plus
-    reclaimable caches), else free pages; None where the OS does not say."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    num_pools = len(policies) * len(capacities_blocks)
+    return total + HOST_TIER_BYTES_PER_BLOCK * host_capacity_blocks * num_pools
 
 
 def replay_policies(
@@ -109,10 +103,19 @@ def replay_policies(
     hash_algorithm: str = "sha256",
     host_capacity_blocks: int = 0,
     progress: ProgressCallback | None = None,
+    hash_tokens: bool = False,
 ) -> list[PolicyPoint]:
-    """Replay the trace once against a pool per (policy, capacity); results policy-major."""
+    """Replay the trace once against a pool per (policy, capacity); results policy-major.
+
+    Blocks are keyed by the trace's token runs (the same hits as hashing, far cheaper) unless
+    `hash_tokens` hashes every prompt with `hash_algorithm`, as `replay` does.
+    """
     _check(trace, capacities_blocks, policies, host_capacity_blocks)
-    hasher = make_request_block_hasher(block_size, hash_algorithm)
+    hasher: RequestBlockHasher
+    if hash_tokens:
+        hasher = make_request_block_hasher(block_size, hash_algorithm)
+    else:
+        hasher = TraceBlockHasher(block_size)
     max_model_len = max(request.num_prompt_tokens for request in trace.requests)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype_bytes=1)
     groups = (KVCacheGroupSpec(("layer",), spec),)
@@ -202,7 +205,18 @@ class _Lane:
 
 
 def _make_request(trace_request: TraceRequest, hasher: RequestBlockHasher) -> Request:
-    return Request(trace_request.request_id, trace_request.prompt_token_ids(), block_hasher=hasher)
+    """The prompt as a request with its block keys (a replayed prompt never grows)."""
+    if not isinstance(hasher, TraceBlockHasher):
+        return Request(
+            trace_request.request_id, trace_request.prompt_token_ids(), block_hasher=hasher
+        )
+    hasher.register(trace_request.request_id, trace_request)
+    try:
+        return Request(
+            trace_request.request_id, trace_request.prompt_token_ids(), block_hasher=hasher
+        )
+    finally:
+        hasher.forget(trace_request.request_id)
 
 
 def _oracle_for(
@@ -244,7 +258,7 @@ def _check(
                 "rate: give finite capacities with --eviction"
             )
     for policy in policies:
-        if policy not in POLICY_NAMES:
+        if policy not in EVICTION_POLICY_NAMES:
             raise InvalidArgumentError(f"unknown eviction policy {policy!r}")
     if type(host_capacity_blocks) is not int or host_capacity_blocks < 0:
         raise InvalidArgumentError(f"host capacity {host_capacity_blocks!r} must be >= 0 blocks")
@@ -257,13 +271,16 @@ def _check_memory(
     num_block_uses: int,
 ) -> None:
     """Refuse, with the numbers, a sweep the machine cannot hold (before building it)."""
-    needed = estimate_memory_bytes(policies, capacities_blocks, num_block_uses)
-    needed += 120 * host_capacity_blocks * len(policies) * len(capacities_blocks)
-    available = available_memory_bytes()
-    if available is not None and needed > available:
-        raise InvalidArgumentError(
-            f"this sweep needs about {needed / 2**30:.1f} GiB ({len(policies)} policies x "
-            f"{len(capacities_blocks)} capacities, {sum(capacities_blocks):,} blocks each), "
-            f"but only {available / 2**30:.1f} GiB is available: run fewer policies or "
-            "capacities at a time"
-        )
+    needed = estimate_memory_bytes(
+        policies, capacities_blocks, num_block_uses, host_capacity_blocks
+    )
+    what = (
+        f"this sweep ({len(policies)} policies x {len(capacities_blocks)} capacities, "
+        f"{sum(capacities_blocks):,} blocks each)"
+    )
+    try:
+        check_fits(what, needed)
+    except HostMemoryError as exc:
+        raise HostMemoryError(
+            f"{exc}: run fewer policies or capacities at a time", needed, exc.available_bytes or 0
+        ) from None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.errors import HostMemoryError, InvalidArgumentError
-from pagedkv.host_memory import MemoryBudget, available_memory_bytes, format_bytes
+from pagedkv.memory_guard import MemoryBudget, available_memory_bytes, format_bytes
 
 # One Mooncake hash id covers this many prompt tokens (the last block of a prompt is partial).
 TRACE_BLOCK_TOKENS = 512

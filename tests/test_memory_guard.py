@@ -19,11 +19,11 @@ from pagedkv import (
     KVCacheManager,
     PagedKVError,
     Request,
-    host_memory,
     make_request_block_hasher,
+    memory_guard,
 )
-from pagedkv.host_memory import (
-    BYTES_PER_BLOCK,
+from pagedkv.memory_guard import (
+    BYTES_PER_POOL_BLOCK,
     MemoryBudget,
     check_fits,
     format_bytes,
@@ -36,7 +36,7 @@ GIB = 2**30
 @pytest.fixture
 def eight_gib(monkeypatch):
     """This machine has 8 GiB available, whatever it really has."""
-    monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: 8 * GIB)
+    monkeypatch.setattr(memory_guard, "available_memory_bytes", lambda: 8 * GIB)
 
 
 def test_a_billion_block_manager_is_refused_before_anything_is_built(eight_gib):
@@ -49,7 +49,7 @@ def test_a_billion_block_manager_is_refused_before_anything_is_built(eight_gib):
         tracemalloc.stop()
     error = caught.value
     assert isinstance(error, PagedKVError) and isinstance(error, ValueError)
-    assert error.needed_bytes == 10**9 * BYTES_PER_BLOCK
+    assert error.needed_bytes == 10**9 * BYTES_PER_POOL_BLOCK
     assert error.available_bytes == 8 * GIB
     assert str(error) == (
         "a pool of 1,000,000,000 blocks needs an estimated 260.8 GiB of memory; this machine "
@@ -67,8 +67,8 @@ def test_only_pools_past_the_threshold_read_the_machine_and_those_that_fit_are_b
         reads.append(1)
         return 8 * GIB
 
-    monkeypatch.setattr(host_memory, "available_memory_bytes", available)
-    monkeypatch.setattr(host_memory, "MIN_CHECKED_BYTES", 1000 * BYTES_PER_BLOCK)
+    monkeypatch.setattr(memory_guard, "available_memory_bytes", available)
+    monkeypatch.setattr(memory_guard, "MIN_CHECKED_BYTES", 1000 * BYTES_PER_POOL_BLOCK)
     KVCacheManager(full_config(999), max_model_len=64)
     assert reads == []
     pool = BlockPool(1000)  # checked, and it fits
@@ -76,7 +76,7 @@ def test_only_pools_past_the_threshold_read_the_machine_and_those_that_fit_are_b
 
 
 def test_unknown_availability_lets_everything_through(monkeypatch):
-    monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: None)
+    monkeypatch.setattr(memory_guard, "available_memory_bytes", lambda: None)
     check_fits("anything", 10**18)
     budget = MemoryBudget("a trace", "line")
     budget.add(10**18, 1)
@@ -97,14 +97,14 @@ def test_memory_budget_reads_the_machine_once_and_refuses_past_it(monkeypatch):
 
     def available() -> int:
         reads.append(1)
-        return host_memory.MIN_CHECKED_BYTES * 3
+        return memory_guard.MIN_CHECKED_BYTES * 3
 
-    monkeypatch.setattr(host_memory, "available_memory_bytes", available)
+    monkeypatch.setattr(memory_guard, "available_memory_bytes", available)
     budget = MemoryBudget("loading t.jsonl", "line")
-    budget.add(host_memory.MIN_CHECKED_BYTES - 1, 1)
+    budget.add(memory_guard.MIN_CHECKED_BYTES - 1, 1)
     assert reads == []  # below the threshold: no read
-    budget.add(host_memory.MIN_CHECKED_BYTES, 2)
-    budget.add(host_memory.MIN_CHECKED_BYTES, 3)
+    budget.add(memory_guard.MIN_CHECKED_BYTES, 2)
+    budget.add(memory_guard.MIN_CHECKED_BYTES, 3)
     assert reads == [1]
     with pytest.raises(HostMemoryError, match=r"^loading t\.jsonl \(up to line 4\) needs"):
         budget.add(2, 4)
@@ -129,7 +129,7 @@ def test_available_memory_respects_ulimit_v():
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, resource.RLIM_INFINITY))
         from pagedkv import BlockPool, HostMemoryError
-        from pagedkv.host_memory import available_memory_bytes
+        from pagedkv.memory_guard import available_memory_bytes
         left = available_memory_bytes()
         assert 0 < left < 2 * 2**30, left
         try:

@@ -1,4 +1,6 @@
-"""Leaf: the host memory pagedkv's own structures need, and the memory this machine has left.
+"""Leaf: this machine's memory guard: what pagedkv's own structures cost in RAM, what the
+machine has left, and the one check between the two (not the host-memory *tier* of evicted KV
+blocks, which is `pagedkv.eviction.host_tier`).
 
 Builders estimate first and call `check_fits` before allocating anything large, so a size that
 cannot fit is refused with the estimate and the limit instead of ending in a `MemoryError` or
@@ -19,11 +21,29 @@ except ImportError:  # pragma: no cover - not a Unix system: no `ulimit -v` to r
 # Measured with tracemalloc on CPython 3.11 (`python benchmarks/bench_memory.py`): a pool block
 # costs 120 bytes built (the block, its id, the pool's list slot) and about 240 once it holds a
 # cached SHA-256 hash (the 32-byte key and its dict entries); rounded up for dict growth steps.
-BYTES_PER_BLOCK = 280
+BYTES_PER_POOL_BLOCK = 280
+# What a pool with an eviction policy holds per block beyond that once it has turned over
+# (resident bytes after two full turnovers of 100k-block pools with SHA-256 keys, measured with
+# tracemalloc and rounded up: hash-map growth, the policy's per-block state and its ghosts).
+# The full conversation trace at block size 16, all six policies at 1M-16M tokens, estimates
+# 5.2 GiB this way and ran at about 4.8 GiB resident.
+POLICY_BYTES_PER_BLOCK = {
+    "lru": 40,
+    "lfu": 50,
+    "s3fifo": 300,
+    "arc": 40,
+    "cost": 120,
+    "belady": 100,
+}
+# The belady oracle, per block use of the trace (the key lists it keeps).
+ORACLE_BYTES_PER_USE = 120
+# An entry of the host-memory tier (a hash key in an OrderedDict), as the eviction sweep counts it.
+HOST_TIER_BYTES_PER_BLOCK = 120
 # A prompt held as a request: its token list (a pointer and an int object per token), the
 # packed bytes hashed and its block hashes, measured at block size 16 (about 45 per token).
 BYTES_PER_PROMPT_TOKEN = 64
-# A request of a synthetic workload (`pagedkv.sim.workloads`), its token runs included (~550).
+# A request of a synthetic workload (`pagedkv.sim.inputs.workloads`), its token runs included
+# (~550).
 BYTES_PER_WORKLOAD_REQUEST = 600
 # Building a structure below this size never asks the operating system how much is left.
 MIN_CHECKED_BYTES = 64 * 2**20
