@@ -37,8 +37,8 @@ import zmq
 from pagedkv.sched import SchedulerConfig
 from pagedkv.sim.cluster import ClusterConfig, simulate_cluster
 from pagedkv.sim.cost_model import DEFAULT_PROFILE, get_profile
+from pagedkv.sim.inputs.traces import load_trace
 from pagedkv.sim.serve import ServeConfig
-from pagedkv.sim.traces import load_trace
 from pagedkv.wire import EventEncoder
 from pagedkv.wire.transport import ZmqEventPublisher
 

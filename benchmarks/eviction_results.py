@@ -22,8 +22,8 @@ from pathlib import Path
 
 from pagedkv.eviction import EVICTION_POLICY_NAMES, ONLINE_POLICY_NAMES
 from pagedkv.sim.eviction_replay import replay_policies
-from pagedkv.sim.eviction_report import gap_closed
-from pagedkv.sim.traces import load_trace
+from pagedkv.sim.inputs.traces import load_trace
+from pagedkv.sim.report.eviction import gap_closed
 
 TRACES = {
     "conversation": "/work/shared/traces/mooncake_conversation_trace.jsonl",

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedkv import PagedKVError
-from pagedkv.sim.traces import Trace, load_trace
+from pagedkv.sim.inputs.traces import Trace, load_trace
 from pagedkv.sizing import get_kv_cache_layout
 from pagedkv.sizing.model_config import ModelDescription, load_model_description
 

@@ -3,7 +3,9 @@
 (a) The core (top-level modules and managers/) imports only the standard library and pagedkv at
     import time; optional extras may be imported lazily, inside functions, only where listed.
 (b) Imports point down the layer order (type-only imports under TYPE_CHECKING are exempt):
-    leaves -> block_pool -> managers -> coordinators -> kv_cache_manager -> sched -> sim -> cli.
+    leaves -> block_pool -> managers -> coordinators -> kv_cache_manager -> sched -> sim -> cli;
+    inside a package, a subpackage or module LAYERS names by its dotted key has its own rank
+    (sim.inputs -> sim -> sim.cluster -> sim.report).
 (c) CLI command modules import only the standard library and pagedkv at import time.
 
 A new top-level module or package must be placed in LAYERS (the test says so), which keeps the
@@ -57,7 +59,10 @@ LAYERS: dict[str, int] = {
     "router": 54,
     "engine": 54,
     "integrations": 56,  # pagedkv inside other engines (vLLM): the core and the wire codec
-    "sim": 60,
+    "sim.inputs": 58,  # traces, workloads, block keys, the future (no manager, no scheduler)
+    "sim": 60,  # the run modes (replay, eviction replay, serve, memory study), cost model
+    "sim.cluster": 62,  # N instances behind a router (above serve mode)
+    "sim.report": 64,  # every mode's report, table and plot (reads the modes' results)
     "cli": 100,
     "__main__": 101,
 }
@@ -342,6 +347,19 @@ def test_checker_flags_unplaced_module_and_heavy_cli():
     assert check("sched", "from pagedkv.brand_new import x")
     assert check("cli", "import torch")
     assert check("cli", "def run(args):\n    import torch\n") == []
+
+
+def test_checker_ranks_modules_inside_a_package():
+    assert check("sim.inputs", "from pagedkv.sim.replay import replay", ("pagedkv", "sim"))
+    assert check("sim.inputs", "from pagedkv.sim import serve", ("pagedkv", "sim", "inputs"))
+    assert check("sim", "from pagedkv.sim.report import render_text", ("pagedkv", "sim"))
+    assert check("block_pool.checks", "from pagedkv.block_pool.pool import BlockPool")
+    assert check("sim.report", "from pagedkv.sim.inputs import load_trace") == []
+    assert check("sim", "from pagedkv.sim import processes", ("pagedkv", "sim")) == []
+    assert check("sim.cluster", "from pagedkv.sim.cluster.audit import RoutingAudit") == []
+    assert module_key(PACKAGE_DIR / "sim" / "inputs" / "traces.py") == "sim.inputs"
+    assert module_key(PACKAGE_DIR / "sim" / "inputs" / "__init__.py") == "sim.inputs"
+    assert module_key(PACKAGE_DIR / "sim" / "serve.py") == "sim"
 
 
 def test_checker_allows_downward_sideways_and_type_only():

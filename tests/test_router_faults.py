@@ -21,8 +21,8 @@ from pagedkv.cli import main  # noqa: E402
 from pagedkv.sched import SchedulerConfig  # noqa: E402
 from pagedkv.sim.cluster import ClusterConfig, simulate_cluster  # noqa: E402
 from pagedkv.sim.cost_model import DEFAULT_PROFILE, get_profile  # noqa: E402
+from pagedkv.sim.inputs.workloads import WorkloadParams, make_workload  # noqa: E402
 from pagedkv.sim.serve import ServeConfig  # noqa: E402
-from pagedkv.sim.workloads import WorkloadParams, make_workload  # noqa: E402
 
 pytestmark = pytest.mark.redis
 

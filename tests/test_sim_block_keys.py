@@ -1,4 +1,4 @@
-"""Block keys from token runs (`pagedkv.sim.block_keys`) against hashing every token.
+"""Block keys from token runs (`pagedkv.sim.inputs.block_keys`) against hashing every token.
 
 Keys must be equal exactly when the token-hash keys are, so replay gives the same hits with
 either; the shipped sample's hit counts were recorded with the token-hash replay before the
@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from pagedkv.hashing import make_request_block_hasher
 from pagedkv.request import Request
 from pagedkv.sched import SchedulerConfig
-from pagedkv.sim.block_keys import TraceBlockKeys, canonical_runs, runs_of_token_ids
 from pagedkv.sim.cost_model import DEFAULT_PROFILE, get_profile
+from pagedkv.sim.inputs.block_keys import TraceBlockKeys, canonical_runs, runs_of_token_ids
+from pagedkv.sim.inputs.traces import OUTPUT_TOKEN_BASE, Trace, TraceRequest, load_trace
 from pagedkv.sim.replay import replay
 from pagedkv.sim.serve import ServeConfig, simulate_serving
-from pagedkv.sim.traces import OUTPUT_TOKEN_BASE, Trace, TraceRequest, load_trace
 from pagedkv.specs import cdiv
 
 DATA = Path(__file__).parent / "data"

@@ -15,11 +15,11 @@ from pagedkv.errors import RequestStateError
 from pagedkv.eviction import EVICTION_POLICY_NAMES, NEVER, ONLINE_POLICY_NAMES
 from pagedkv.sim.cost_model import get_profile
 from pagedkv.sim.eviction_replay import parse_policies, replay_policies
-from pagedkv.sim.eviction_report import gap_closed
-from pagedkv.sim.future import ReplayOracle
+from pagedkv.sim.inputs.future import ReplayOracle
+from pagedkv.sim.inputs.traces import Trace, TraceRequest, load_trace
 from pagedkv.sim.replay import replay
+from pagedkv.sim.report.eviction import gap_closed
 from pagedkv.sim.serve import ServeConfig, ServeRun
-from pagedkv.sim.traces import Trace, TraceRequest, load_trace
 
 DATA = Path(__file__).parent / "data"
 TRACE = str(DATA / "mooncake_conversations46.jsonl")

@@ -11,15 +11,15 @@ from pagedkv.cli import main
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.sched import SchedulerConfig
 from pagedkv.sim.cost_model import LinearCostModel, get_profile
-from pagedkv.sim.memory_report import memory_report
+from pagedkv.sim.inputs.traces import OUTPUT_TOKEN_BASE, Trace, TraceRequest, load_trace
 from pagedkv.sim.memory_study import (
     carried_time_scale,
     estimate_busy_s,
     memory_configs,
     study_memory,
 )
+from pagedkv.sim.report.memory import memory_report
 from pagedkv.sim.serve import ServeConfig, simulate_serving
-from pagedkv.sim.traces import OUTPUT_TOKEN_BASE, Trace, TraceRequest, load_trace
 
 DATA = Path(__file__).parent / "data"
 TRACE = DATA / "mooncake_conversations46.jsonl"

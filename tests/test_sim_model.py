@@ -11,9 +11,9 @@ from pagedkv.cli import main
 from pagedkv.errors import ConfigError, InvalidArgumentError
 from pagedkv.sched import SchedulerConfig
 from pagedkv.sim.cost_model import DEFAULT_PROFILE, get_profile
+from pagedkv.sim.inputs.traces import load_trace
 from pagedkv.sim.replay import replay
 from pagedkv.sim.serve import ServeConfig, ServeRun, simulate_serving
-from pagedkv.sim.traces import load_trace
 from pagedkv.sizing import estimate_max_model_len, get_kv_cache_layout, size_kv_cache
 from pagedkv.sizing.model_config import load_model_description
 from pagedkv.specs import KVCacheConfig

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from pagedkv import InvalidArgumentError
+from pagedkv.sim.inputs.traces import load_trace
 from pagedkv.sim.replay import default_capacities, parse_capacities, replay
-from pagedkv.sim.traces import load_trace
 
 RECORDS = [
     {"timestamp": 0, "input_length": 1500, "output_length": 3, "hash_ids": [7, 8, 9]},

@@ -15,8 +15,8 @@ from pagedkv.sim.cost_model import (
     get_profile,
     parse_cost_overrides,
 )
+from pagedkv.sim.inputs.traces import load_trace
 from pagedkv.sim.serve import ServeConfig, ServeRun, percentile, simulate_serving
-from pagedkv.sim.traces import load_trace
 
 ONE_SECOND_PER_STEP = LinearCostModel(1.0, 0.0, 0.0, 0.0)
 

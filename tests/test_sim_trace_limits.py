@@ -9,7 +9,7 @@ import tracemalloc
 import pytest
 
 from pagedkv import HostMemoryError, memory_guard
-from pagedkv.sim.traces import MAX_TRACE_BLOCKS, TraceFormatError, load_trace
+from pagedkv.sim.inputs.traces import MAX_TRACE_BLOCKS, TraceFormatError, load_trace
 
 
 def write_lines(path, lines: list[str]) -> str:
@@ -99,7 +99,7 @@ def test_fresh_prompts_take_consecutive_blocks_without_a_table_entry_each(tmp_pa
 def test_a_line_too_long_to_parse_is_refused_before_it_is_read_whole(tmp_path, monkeypatch):
     # 25 bytes of parsed JSON per byte of line: 250,000 bytes available allow 10,000-byte lines.
     monkeypatch.setattr(memory_guard, "available_memory_bytes", lambda: 250_000)
-    monkeypatch.setattr("pagedkv.sim.traces.available_memory_bytes", lambda: 250_000)
+    monkeypatch.setattr("pagedkv.sim.inputs.traces.available_memory_bytes", lambda: 250_000)
     ids = list(range(20))
     short = json.dumps({"prompt_token_ids": ids, "output_length": 1})
     long = json.dumps({"prompt_token_ids": ids * 1000, "output_length": 1})

@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from pagedkv import PagedKVError, Request, make_request_block_hasher
-from pagedkv.sim.traces import OUTPUT_TOKEN_BASE, TraceFormatError, TraceWarning, load_trace
+from pagedkv.sim.inputs.traces import OUTPUT_TOKEN_BASE, TraceFormatError, TraceWarning, load_trace
 
 
 def write_jsonl(path, records) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagedkv import InvalidArgumentError
-from pagedkv.sim.traces import OUTPUT_TOKEN_BASE
-from pagedkv.sim.workloads import WORKLOADS, WorkloadParams, make_workload
+from pagedkv.sim.inputs.traces import OUTPUT_TOKEN_BASE
+from pagedkv.sim.inputs.workloads import WORKLOADS, WorkloadParams, make_workload
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))

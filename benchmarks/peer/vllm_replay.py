@@ -3,7 +3,7 @@
 
 Run it with the peer venv's python (benchmarks/peer/vllm/setup_venv.sh). Per request of the
 trace, in order: the prompt's token ids exactly as pagedkv's loader builds them from the hash
-ids (`pagedkv.sim.traces`, imported from this checkout's src/), a vLLM `Request` hashed by
+ids (`pagedkv.sim.inputs.traces`, imported from this checkout's src/), a vLLM `Request` hashed by
 vLLM's own block hasher (SHA-256, as vLLM's default), `get_computed_blocks`, `allocate_slots`
 for the rest of the prompt, `free`. One capacity, one pass. Prints one JSON line: hit tokens,
 requests that did not fit, and CPU seconds of the import, of the replay and of the process.
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.v1.request import Request
 
     sys.path.insert(0, str(REPO / "src"))
-    from pagedkv.sim.traces import load_trace
+    from pagedkv.sim.inputs.traces import load_trace
 
     import_cpu_s = time.process_time() - import_start
 

@@ -1,4 +1,5 @@
-"""CLI: `pagedkv <command>`. Thin layer; each command lives in its own module of this package.
+"""CLI: `pagedkv <command>`. Thin layer; each command lives in its own module of this package
+(or its own subpackage, as `simulate/` does; `_checks` holds the argument types they share).
 
 A command module defines `COMMAND` (its name), `HELP` (one line), `add_arguments(parser)` and
 `run(args) -> int`, and imports only the standard library at module level (heavy optional

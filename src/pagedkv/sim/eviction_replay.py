@@ -27,9 +27,9 @@ from pagedkv.memory_guard import (
     check_fits,
 )
 from pagedkv.request import Request
-from pagedkv.sim.block_keys import TraceBlockHasher
-from pagedkv.sim.future import ReplayOracle, hittable_keys
-from pagedkv.sim.traces import Trace, TraceRequest
+from pagedkv.sim.inputs.block_keys import TraceBlockHasher
+from pagedkv.sim.inputs.future import ReplayOracle, hittable_keys
+from pagedkv.sim.inputs.traces import Trace, TraceRequest
 from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, cdiv
 
 ProgressCallback = Callable[[int], None]  # called with the number of requests done so far

@@ -17,9 +17,9 @@ from typing import Any
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.sim import processes
 from pagedkv.sim.cost_model import LinearCostModel
+from pagedkv.sim.inputs.traces import Trace
 from pagedkv.sim.processes import JobProgress, ProgressCallback
 from pagedkv.sim.serve import ServeConfig, ServeRun
-from pagedkv.sim.traces import Trace
 
 # KV memory per row, as fractions of what the profile's GPU holds after the weights: four
 # sizes, so two cores serve them in two rounds.
@@ -77,6 +77,28 @@ def carried_time_scale(
     factor = 10**-exponent
     # Rounded before ceil so that 6.3 stays 6.3 (6.3 * 10 is 63.00000000000001).
     return math.ceil(round(scale * factor, 9)) / factor
+
+
+def choose_time_scale(
+    trace: Trace,
+    cost_model: LinearCostModel,
+    max_num_batched_tokens: int,
+    time_scale: float | None,
+) -> tuple[float, str]:
+    """The study's arrival time scale and the report's line on the load it gives: `time_scale`
+    when one is given (`--time-scale`), else `carried_time_scale`'s (1 without a duration)."""
+    if time_scale is not None:
+        return time_scale, f"arrivals at {time_scale:g}x the trace's times (--time-scale)"
+    if trace.duration_s <= 0:
+        return 1.0, "every request arrives at once (the trace has no duration)"
+    scale = carried_time_scale(trace, cost_model, max_num_batched_tokens)
+    busy_s = estimate_busy_s(trace, cost_model, max_num_batched_tokens)
+    busy = busy_s / (scale * trace.duration_s)
+    return scale, (
+        f"arrivals {scale:g}x slower than the trace, so the GPU is busy about "
+        f"{100 * busy:.0f} % of the time without prefix hits (roofline estimate); "
+        "--time-scale sets another load"
+    )
 
 
 @dataclass(frozen=True)

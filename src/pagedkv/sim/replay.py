@@ -19,9 +19,9 @@ from pagedkv.hashing import make_request_block_hasher
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request
 from pagedkv.sim import processes
-from pagedkv.sim.block_keys import TraceBlockKeys
+from pagedkv.sim.inputs.block_keys import TraceBlockKeys
+from pagedkv.sim.inputs.traces import Trace
 from pagedkv.sim.processes import JobProgress
-from pagedkv.sim.traces import Trace
 from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, cdiv
 
 ProgressCallback = Callable[[int], None]  # called with the number of requests done so far

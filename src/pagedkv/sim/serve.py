@@ -28,9 +28,9 @@ from pagedkv.sched import (
     SchedulingPolicy,
     StepRecord,
 )
-from pagedkv.sim.block_keys import TraceBlockHasher
 from pagedkv.sim.cost_model import LinearCostModel
-from pagedkv.sim.traces import Trace, TraceRequest
+from pagedkv.sim.inputs.block_keys import TraceBlockHasher
+from pagedkv.sim.inputs.traces import Trace, TraceRequest
 from pagedkv.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 ProgressCallback = Callable[[int], None]  # called with the number of requests done so far

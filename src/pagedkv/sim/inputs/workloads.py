@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.sim.traces import OUTPUT_TOKEN_BASE, TokenRun, Trace, TraceRequest
+from pagedkv.sim.inputs.traces import OUTPUT_TOKEN_BASE, TokenRun, Trace, TraceRequest
 
 ARRIVAL_PROCESSES = ("poisson", "bursty")
 

@@ -25,7 +25,8 @@ from pagedkv.router import (
     make_policy,
     request_block_hashes,
 )
-from pagedkv.sim.cluster_audit import RoutingAudit
+from pagedkv.sim.cluster.audit import RoutingAudit
+from pagedkv.sim.inputs.traces import Trace
 from pagedkv.sim.serve import (
     ServeConfig,
     ServeRun,
@@ -33,7 +34,6 @@ from pagedkv.sim.serve import (
     round_sig6,
     summarize_distribution,
 )
-from pagedkv.sim.traces import Trace
 
 ProgressCallback = Callable[[int], None]
 StopCallback = Callable[[], bool]  # asked between events: True ends the run early (Ctrl-C)
@@ -185,7 +185,7 @@ class _ClusterRun:
     def _connect_remote(config: ClusterConfig, serve: ServeConfig) -> Any:
         if config.router_url is None:
             return None
-        from pagedkv.sim.remote_router import RemoteRouter
+        from pagedkv.sim.cluster.remote_router import RemoteRouter
 
         return RemoteRouter(
             config.router_url, config.num_instances, serve.block_size, serve.hash_algorithm

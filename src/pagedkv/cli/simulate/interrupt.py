@@ -1,4 +1,4 @@
-"""CLI helper: Ctrl-C as a request to stop a long simulation and report what it measured.
+"""`pagedkv simulate`: Ctrl-C as a request to stop a long simulation and report what it measured.
 
 Standard library only.
 """

@@ -1,6 +1,7 @@
-"""CLI helper of `pagedkv simulate`: the multi-instance options and report (`--instances N
---router ...`, `--metrics-port`). Not a command itself (the leading underscore); standard
-library only at import time."""
+"""`pagedkv simulate`'s cluster path: the multi-instance options (`--instances N --router ...`,
+`--metrics-port`), their checks and the run; the report is `pagedkv.sim.report.cluster`'s.
+Standard library only at import time.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import time
 from typing import Any
 
 from pagedkv.cli._checks import float_in, int_at_least, require_extra
-from pagedkv.cli._interrupt import StopOnCtrlC
+from pagedkv.cli.simulate.interrupt import StopOnCtrlC
+from pagedkv.router.policies import ROUTING_POLICY_NAMES
 
-ROUTERS = ("round-robin", "least-loaded", "prefix-aware")
 # What one simulated instance holds open (measured: 3 descriptors with inproc, 7 with tcp):
 # its publisher's PUB and replay ROUTER sockets, the router's SUB and, after a gap, DEALER; a
 # ZeroMQ socket is a descriptor (its mailbox) and, over tcp, a connection or listener too.
@@ -34,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--router",
-        choices=(*ROUTERS, "all"),
+        choices=(*ROUTING_POLICY_NAMES, "all"),
         help="routing policy; 'all' runs each and compares them (default: all, or "
         "round-robin for one instance)",
     )
@@ -153,12 +154,11 @@ def run(
 ) -> int:
     """Run the cluster simulation and print its report; 130 if Ctrl-C cut it short."""
     from pagedkv.sim.cluster import ClusterConfig, simulate_cluster
-    from pagedkv.sim.report import serve_report
-    from pagedkv.sim.serve import ServeResult
+    from pagedkv.sim.report import cluster_report, render_cluster_text
 
     num_instances = 1 if args.instances is None else args.instances
     router = args.router or ("all" if num_instances > 1 else "round-robin")
-    policies = ROUTERS if router == "all" else (router,)
+    policies = ROUTING_POLICY_NAMES if router == "all" else (router,)
     index_url = None if args.index == "memory" else args.index
     config = ClusterConfig(
         serve_config,
@@ -185,21 +185,19 @@ def run(
     finally:
         progress.close()
     wall_s = time.perf_counter() - start
-    base = serve_report(trace, serve_config, profile_name, ServeResult(summary={}))
-    report = {
-        "format": base["format"],
-        "mode": "cluster",
-        "trace": base["trace"],
-        "config": {
-            **base["config"],
+    report = cluster_report(
+        trace,
+        serve_config,
+        profile_name,
+        summaries,
+        {
             "instances": num_instances,
             "event_transport": args.event_transport,
             "router_max_load_gap": args.router_max_load_gap,
             "index": args.index,
             "router_url": args.router_url,
         },
-        "results": summaries,
-    }
+    )
     num_simulated = trace.num_prompt_tokens * len(policies)
     try:
         if args.json:
@@ -210,7 +208,7 @@ def run(
                 file=sys.stderr,
             )
         else:
-            sys.stdout.write(render_text(report, wall_s, num_simulated))
+            sys.stdout.write(render_cluster_text(report, wall_s, num_simulated))
         sys.stdout.flush()
         if server is not None and args.metrics_linger_s > 0:
             time.sleep(args.metrics_linger_s)
@@ -246,68 +244,3 @@ class _Offset:
             self.base += self.last
         self.last = num_done
         self.progress(self.base + num_done)
-
-
-def _seconds(value: float | None, width: int, digits: int) -> str:
-    """A latency cell: `0.070s`, or `n/a` when no request finished."""
-    return f"{'n/a':>{width + 1}}" if value is None else f"{value:>{width}.{digits}f}s"
-
-
-def render_text(report: dict[str, Any], wall_s: float, num_prompt_tokens_simulated: int) -> str:
-    trace, config = report["trace"], report["config"]
-    lines = [
-        f"pagedkv simulate (cluster): {trace['name']}: {trace['num_requests']:,} requests, "
-        f"{config['instances']} instances x {config['num_blocks']:,} blocks, events over "
-        f"{config['event_transport']} ZeroMQ",
-        "",
-        f"{'router':<14}{'completed':>10}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p99':>11}"
-        f"{'e2e p50':>10}{'req/s':>8}  {'requests per instance':<24}{'max/mean busy':>14}",
-    ]
-    for result in report["results"]:
-        balance = result["load_balance"]
-        per_instance = ",".join(str(n) for n in balance["requests_per_instance"])
-        lines.append(
-            f"{result['router']:<14}"
-            f"{result['num_requests_completed']:>10,}"
-            f"{100 * result['prefix_cache']['hit_rate']:>9.2f}%"
-            f"{_seconds(result['ttft_s']['p50'], 10, 3)}"
-            f"{_seconds(result['ttft_s']['p99'], 10, 3)}"
-            f"{_seconds(result['e2e_latency_s']['p50'], 9, 2)}"
-            f"{result['throughput']['requests_per_s']:>8.2f}  "
-            f"{per_instance:<24}{balance['busy_time_max_over_mean']:>14.2f}"
-        )
-    matches = [r["routing"]["index_matches_pools"] for r in report["results"]]
-    if None in matches:
-        consistent = "unknown (the index is unavailable)"
-    else:
-        consistent = "yes" if all(matches) else "NO"
-    lines.append("")
-    for result in report["results"]:
-        if result["num_requests_rejected"]:
-            lines.append(
-                f"{result['router']}: {result['num_requests_rejected']:,} requests rejected "
-                f"(prompt >= max_model_len {config['max_model_len']:,})"
-            )
-        if result.get("interrupted"):
-            lines.append(
-                f"{result['router']}: INTERRUPTED (Ctrl-C) with "
-                f"{result['num_requests_unfinished']:,} requests unfinished; its figures cover "
-                "what was measured until then, and the routers after it did not run"
-            )
-    lines += [
-        "hit rate: prefix-cache token hit rate over all instances; busy: simulated step time",
-        f"router index equals every instance's cache at the end: {consistent}",
-    ]
-    if config.get("index", "memory") != "memory":
-        lines.append(f"router index in {config['index']}")
-    for result in report["results"]:
-        routing = result["routing"]
-        if routing.get("index_outages") or routing["fallback_decisions"]:
-            lines.append(
-                f"{result['router']}: index unavailable {routing['index_outages']} time(s), "
-                f"{routing['index_recoveries']} recovered; {routing['fallback_decisions']} "
-                f"routing decisions fell back to least-loaded"
-            )
-    rate = num_prompt_tokens_simulated / wall_s if wall_s > 0 else 0.0
-    lines += [f"simulator speed: {wall_s:.1f} s wall, {rate:,.0f} simulated prompt tokens/s", ""]
-    return "\n".join(lines)

@@ -13,7 +13,7 @@ from typing import Any
 
 from pagedkv.eviction import ONLINE_POLICY_NAMES
 from pagedkv.sim.eviction_replay import PolicyPoint
-from pagedkv.sim.traces import Trace
+from pagedkv.sim.inputs.traces import Trace
 
 
 def gap_closed(lru: float, best_online: float, belady: float) -> float | None:
@@ -133,7 +133,7 @@ def eviction_rows(report: dict[str, Any], notes: list[tuple[str, str]]) -> tuple
 
 def plot_eviction(report: dict[str, Any], path: str | Path) -> None:
     """Hit rate against capacity, one line per policy (belady dashed: the upper bound)."""
-    from pagedkv.sim.plot import _pyplot
+    from pagedkv.sim.report.plot import _pyplot
 
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(7, 4.5))

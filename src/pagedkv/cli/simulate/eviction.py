@@ -1,6 +1,5 @@
-"""CLI helper of `pagedkv simulate`: the eviction options (`--eviction`, `--host-capacity`) and
-the eviction replay. Not a command itself (the leading underscore); standard library only at
-import time."""
+"""`pagedkv simulate`'s eviction options (`--eviction`, `--host-capacity`), their checks and the
+eviction replay's call. Standard library only at import time."""
 
 from __future__ import annotations
 
@@ -75,8 +74,8 @@ def replay(
     """Replay every policy at every capacity; return the report, the speed and the plotter."""
     from pagedkv.sim import replay as replay_module
     from pagedkv.sim.eviction_replay import parse_policies, replay_policies
-    from pagedkv.sim.eviction_report import eviction_report, plot_eviction
     from pagedkv.sim.report import REPORT_FORMAT, Speed
+    from pagedkv.sim.report.eviction import eviction_report, plot_eviction
 
     policies = parse_policies(args.eviction or "lru")
     if args.capacity:

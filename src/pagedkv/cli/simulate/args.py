@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from pagedkv.cli import _cluster, _eviction
 from pagedkv.cli._checks import float_in, int_at_least
+from pagedkv.cli.simulate import cluster, eviction
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -179,8 +179,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ".pdf...): hit rate vs capacity (replay), usage and queues over time (serve)",
     )
     output.add_argument("--no-progress", action="store_true", help="never show a progress bar")
-    _cluster.add_arguments(parser)
-    _eviction.add_arguments(parser)
+    cluster.add_arguments(parser)
+    eviction.add_arguments(parser)
     # Every option's default, to tell a run with no simulation option (the memory study).
     parser.set_defaults(_option_defaults=vars(parser.parse_args([])))
 

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from pagedkv.sim.inputs.traces import Trace
 from pagedkv.sim.memory_study import MemoryPoint
 from pagedkv.sim.serve import ServeConfig
-from pagedkv.sim.traces import Trace
 
 GIB = 2**30
 # "About as fast as the largest size": p50 TTFT within this factor of it, and no more requests

@@ -1,6 +1,7 @@
-"""CLI helper of `pagedkv simulate`: the memory study (`--mode memory`, the no-argument run).
+"""`pagedkv simulate`'s memory study (`--mode memory`, the no-argument run): its sizes and
+load from the options, the study's call, its report and plot.
 
-Not a command itself (the leading underscore); standard library only at import time.
+Standard library only at import time.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ def run(
     """
     from pagedkv.errors import InvalidArgumentError
     from pagedkv.sim import memory_study
-    from pagedkv.sim.memory_report import memory_report
     from pagedkv.sim.replay import parse_capacities
     from pagedkv.sim.report import Speed
+    from pagedkv.sim.report.memory import memory_report
 
     if args.model or args.memory:
         raise InvalidArgumentError("--mode memory takes no --model/--memory yet; try --mode serve")
@@ -50,22 +51,9 @@ def run(
         num_blocks_list = sorted({max(1, int(gpu_num_blocks * f)) for f in fractions})
     base_args = argparse.Namespace(**{**vars(args), "capacity": None, "time_scale": 1.0})
     base, profile_name = serve_config(base_args, cost_model)
-    if args.time_scale is None and trace.duration_s <= 0:
-        time_scale = 1.0
-        note = "every request arrives at once (the trace has no duration)"
-    elif args.time_scale is None:
-        num_batched_tokens = base.scheduler.max_num_batched_tokens
-        time_scale = memory_study.carried_time_scale(trace, base.cost_model, num_batched_tokens)
-        busy_s = memory_study.estimate_busy_s(trace, base.cost_model, num_batched_tokens)
-        busy = busy_s / (time_scale * trace.duration_s)
-        note = (
-            f"arrivals {time_scale:g}x slower than the trace, so the GPU is busy about "
-            f"{100 * busy:.0f} % of the time without prefix hits (roofline estimate); "
-            "--time-scale sets another load"
-        )
-    else:
-        time_scale = args.time_scale
-        note = f"arrivals at {time_scale:g}x the trace's times (--time-scale)"
+    time_scale, note = memory_study.choose_time_scale(
+        trace, base.cost_model, base.scheduler.max_num_batched_tokens, args.time_scale
+    )
     max_model_len = args.max_model_len or profile.max_model_len
     base = _with_time_scale(base, time_scale)
     configs = memory_study.memory_configs(base, num_blocks_list, max_model_len)
@@ -93,7 +81,7 @@ def run(
 def _try_plot(report: dict[str, Any], path: str) -> bool:
     """Write the plot; on failure say why on stderr and go on (the table is the answer)."""
     from pagedkv.errors import PagedKVError
-    from pagedkv.sim.plot import plot_memory
+    from pagedkv.sim.report.plot import plot_memory
 
     try:
         plot_memory(report, path)

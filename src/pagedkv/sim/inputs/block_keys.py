@@ -15,7 +15,7 @@ from typing import cast
 from pagedkv.block import BlockHash
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.hashing import HashedRequest, RequestBlockHasher
-from pagedkv.sim.traces import MAX_TOKEN_ID, TokenRun, TraceRequest
+from pagedkv.sim.inputs.traces import MAX_TOKEN_ID, TokenRun, TraceRequest
 
 # A key is `run_id * _SPREAD + end_offset`: unique, since an offset is at most 2**32 (a run's
 # token ids are distinct uint32 values) and _SPREAD is larger. Hot path, two choices:

@@ -1,8 +1,7 @@
-"""CLI: `pagedkv simulate`, replay a request trace through the scheduler and the manager.
+"""CLI: the `pagedkv simulate` command: parse, check, call the mode, print its report.
 
 With no arguments it serves the Mooncake sample shipped in the package and prints a report.
-Imports only the standard library at module level. Options live in `_simulate_args`, the
-terminal output in `_simulate_output`; this module runs the modes.
+Imports only the standard library at module level.
 """
 
 from __future__ import annotations
@@ -13,10 +12,10 @@ import time
 import warnings
 from typing import Any
 
-from pagedkv.cli import _checks, _cluster, _eviction, _memory
-from pagedkv.cli._interrupt import StopOnCtrlC
-from pagedkv.cli._simulate_args import add_arguments, resolve_mode
-from pagedkv.cli._simulate_output import Progress, print_profiles, print_table
+from pagedkv.cli.simulate import checks, cluster, eviction, memory
+from pagedkv.cli.simulate.args import add_arguments, resolve_mode
+from pagedkv.cli.simulate.interrupt import StopOnCtrlC
+from pagedkv.cli.simulate.progress import Progress
 
 COMMAND = "simulate"
 HELP = "Simulate a request trace: prefix-cache hit rate, memory, preemptions, latency."
@@ -38,14 +37,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pagedkv.sim import cost_model, report
+    from pagedkv.sim import cost_model
+    from pagedkv.sim.report import print_report, render_profiles, to_json
 
     if args.list_profiles:
-        print_profiles(cost_model)
+        sys.stdout.write(render_profiles())
         return 0
     args.mode = resolve_mode(args)
     if args.mode == "memory" and not (args.trace or args.workload or args.num_requests):
-        args.num_requests = _memory.DEFAULT_NUM_REQUESTS  # a few seconds for the whole study
+        args.num_requests = memory.DEFAULT_NUM_REQUESTS  # a few seconds for the whole study
     if args.mode != "memory" and args.time_scale is None:
         args.time_scale = 1.0  # the memory study picks its own load when none is given
     if args.mode == "replay" and (args.profile or args.cost):
@@ -59,44 +59,44 @@ def _run(args: argparse.Namespace) -> int:
             "--mode replay with --model takes --memory (one point at the sized num_blocks) "
             "or --capacity (blocks of the pool the groups share), not both"
         )
-    if args.model and _cluster.wanted(args):
+    if args.model and cluster.wanted(args):
         raise _error("--model is not supported with a cluster (--instances) yet")
-    _eviction.check(args, _error)
-    if _eviction.wanted(args) and _cluster.wanted(args):
+    eviction.check(args, _error)
+    if eviction.wanted(args) and cluster.wanted(args):
         raise _error("--eviction and --host-capacity are not supported with a cluster yet")
-    _checks.check_simulate_args(args, cost_model, cluster=_cluster.wanted(args))
-    if _cluster.wanted(args):
-        _cluster.preflight(args)
+    checks.check_simulate_args(args, cost_model, cluster=cluster.wanted(args))
+    if cluster.wanted(args):
+        cluster.preflight(args)
     trace = _load(args)
-    _checks.check_simulate_trace(args, trace)
+    checks.check_simulate_trace(args, trace)
     show_progress = not (args.json or args.no_progress) and sys.stderr.isatty()
 
     def make_progress(total: int, label: str) -> Progress:
         return Progress(total, label, show_progress)
 
-    if _cluster.wanted(args):
+    if cluster.wanted(args):
         config, profile_name = _serve_config(args, cost_model)
-        return _cluster.run(args, trace, config, profile_name, make_progress)
+        return cluster.run(args, trace, config, profile_name, make_progress)
     plot = None
     if args.mode == "memory":
-        the_report, speed = _memory.run(
+        the_report, speed = memory.run(
             args, trace, cost_model, _serve_config, make_progress, _max_workers(args)
         )
-    elif args.mode == "replay" and _eviction.wanted(args):
-        the_report, speed, plot = _eviction.replay(args, trace, make_progress)
+    elif args.mode == "replay" and eviction.wanted(args):
+        the_report, speed, plot = eviction.replay(args, trace, make_progress)
     elif args.mode == "replay":
         the_report, speed, plot = _replay(args, trace, show_progress)
     else:
         the_report, speed, plot = _serve(args, trace, cost_model, show_progress)
     if args.json:
-        sys.stdout.write(report.to_json(the_report))
+        sys.stdout.write(to_json(the_report))
         print(
             f"simulated {speed.num_prompt_tokens_simulated:,} prompt tokens in "
             f"{speed.wall_s:.1f} s ({speed.prompt_tokens_per_s:,.0f} tokens/s)",
             file=sys.stderr,
         )
     else:
-        print_table(report, the_report, speed)
+        print_report(the_report, speed)
     if args.plot and plot is not None:
         plot(args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
@@ -111,8 +111,8 @@ def _error(message: str) -> Exception:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from pagedkv.sim.traces import TraceWarning, load_trace
-    from pagedkv.sim.workloads import WorkloadParams, make_workload
+    from pagedkv.sim.inputs.traces import TraceWarning, load_trace
+    from pagedkv.sim.inputs.workloads import WorkloadParams, make_workload
 
     if args.workload:
         params = WorkloadParams(
@@ -178,7 +178,7 @@ def _replay(args: argparse.Namespace, trace: Any, show_progress: bool) -> tuple:
     )
 
     def plot(path: str) -> None:
-        from pagedkv.sim.plot import plot_replay
+        from pagedkv.sim.report.plot import plot_replay
 
         plot_replay(the_report, path)
 
@@ -213,7 +213,7 @@ def _serve(args: argparse.Namespace, trace: Any, cost_model: Any, show_progress:
     the_report = serve_report(trace, config, profile_name, result, model_name)
 
     def plot(path: str) -> None:
-        from pagedkv.sim.plot import plot_serve
+        from pagedkv.sim.report.plot import plot_serve
 
         plot_serve(the_report, result, path)
 
@@ -271,7 +271,7 @@ def _serve_config(args: argparse.Namespace, cost_model: Any) -> tuple[Any, str |
         watermark=args.watermark,
         hash_algorithm=args.hash_algorithm,
         kv_cache_config=kv_cache_config,
-        **_eviction.serve_options(args, profile),
+        **eviction.serve_options(args, profile),
         hash_tokens=args.hash_tokens,
     )
     return config, profile.name if not args.cost else None
