@@ -21,8 +21,8 @@ simulate: $(VENV)/.pagedkv-sim
 	$(VENV)/bin/pagedkv simulate $(ARGS)
 
 # PAGEDKV_REQUIRE_TEST_DEPS: a test that would skip because something this command provides is
-# missing (an extra's package, redis-server, triton) fails instead (tests/strict_setup.py);
-# PAGEDKV_REQUIRE_REDIS: the Redis tests' own check of the same (tests/redis_server.py).
+# missing (an extra's package, redis-server, triton) fails instead (tests/support/strict_setup.py);
+# PAGEDKV_REQUIRE_REDIS: the Redis tests' own check of the same (tests/support/redis_server.py).
 test: test-pagedkv
 	PYTHON="$(PYTHON)" .ci/vllm-suites
 

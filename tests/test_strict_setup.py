@@ -1,4 +1,5 @@
-"""`make test` turns a skip for something it installs into a failure (tests/strict_setup.py)."""
+"""`make test` turns a skip for something it installs into a failure
+(tests/support/strict_setup.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ CASES = {
 
 @pytest.fixture
 def suite(pytester: pytest.Pytester) -> pytest.Pytester:
-    pytester.makeconftest("from strict_setup import *  # noqa: F403\n")
+    pytester.makeconftest("from tests.support.strict_setup import *  # noqa: F403\n")
     for name, source in CASES.items():
         pytester.makepyfile(**{name.removesuffix(".py"): source})
     return pytester

@@ -1,0 +1,1 @@
+"""pagedkv's test suite: one subpackage per area, shared helpers in `support`."""

@@ -1,0 +1,1 @@
+"""Tests of the `pagedkv` commands end to end."""

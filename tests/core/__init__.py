@@ -1,0 +1,1 @@
+"""Tests of the block pool, free queue, hashing and the manager facade."""

@@ -1,0 +1,1 @@
+"""Tests of the torch engine adapter and its attention kernels."""

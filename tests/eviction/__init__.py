@@ -1,0 +1,1 @@
+"""Tests of eviction policies, retention hints and the host-memory tier."""

@@ -1,0 +1,1 @@
+"""Tests of the per-attention-type managers and the hybrid coordinator."""

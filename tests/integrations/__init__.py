@@ -1,0 +1,1 @@
+"""Tests of pagedkv inside vLLM, call for call against vLLM's own manager."""

@@ -1,0 +1,1 @@
+"""Tests of block-residency metrics and the Prometheus export."""

@@ -1,0 +1,1 @@
+"""Tests of the cluster-wide prefix index and the router service."""

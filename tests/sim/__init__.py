@@ -1,0 +1,1 @@
+"""Tests of the simulator: traces, workloads, replay, serve, memory study, cluster."""

@@ -1,0 +1,1 @@
+"""Tests of memory sizing and model configs."""

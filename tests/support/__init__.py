@@ -1,0 +1,1 @@
+"""Helpers shared by the test folders (builders, workloads, servers, pytest hooks); no tests."""

@@ -1,0 +1,1 @@
+"""Tests of KV events on the wire: codec, fuzzing, the ZeroMQ transport."""
