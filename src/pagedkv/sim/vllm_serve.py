@@ -8,14 +8,20 @@ engine core (`step_with_batch_queue`, a queue of two): the next batch is schedul
 previous one runs, before its tokens are known. Imports vLLM (and torch) at import time.
 """
 
+# ruff: noqa: E402 - the environment default above the imports must come first
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# vLLM's CPU platform wherever this runs: no model runs, and a platform adjusts the config (the
+# results would depend on the machine). Set before vLLM is imported: it reads it then.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
