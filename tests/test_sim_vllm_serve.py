@@ -19,7 +19,8 @@ from pagedkv.sched import SchedulerConfig  # noqa: E402
 from pagedkv.sim.cost_model import LinearCostModel, get_profile  # noqa: E402
 from pagedkv.sim.serve import ServeConfig, simulate_serving  # noqa: E402
 from pagedkv.sim.traces import load_trace  # noqa: E402
-from pagedkv.sim.vllm_serve import VllmOptions, simulate_serving_vllm  # noqa: E402
+from pagedkv.sim.vllm_options import VllmOptions  # noqa: E402
+from pagedkv.sim.vllm_serve import simulate_serving_vllm  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 COST = get_profile("llama3.1-8b-h100").cost_model()

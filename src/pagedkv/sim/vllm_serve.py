@@ -15,7 +15,6 @@ import json
 import os
 import tempfile
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,52 +34,20 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request as VllmRequest
 from vllm.v1.structured_output import StructuredOutputManager
 
-from pagedkv.errors import ConfigError, InvariantViolation
+from pagedkv.errors import InvariantViolation
 from pagedkv.integrations.vllm import AsyncScheduler as PagedKVAsyncScheduler
 from pagedkv.integrations.vllm import Scheduler as PagedKVScheduler
 from pagedkv.sched import StepRecord
 from pagedkv.sim.block_keys import TraceBlockHasher
 from pagedkv.sim.serve import ProgressCallback, ServeConfig, ServeResult, ServeRun, StopCallback
 from pagedkv.sim.traces import Trace, TraceRequest
+from pagedkv.sim.vllm_options import VllmOptions, check_supported
 from pagedkv.stats import PrefixCacheStats
 
-KV_MANAGERS = ("pagedkv", "vllm")
 # vLLM's engine core keeps this many batches in flight with async scheduling (its batch queue).
 ASYNC_BATCH_QUEUE_SIZE = 2
 # vLLM's hash functions by `--hash-algorithm` (`--hash-tokens`: vLLM hashes every block).
 _HASH_FUNCTIONS = {"sha256": "sha256", "sha256_cbor": "sha256_cbor", "xxh3_128": "xxhash_cbor"}
-
-
-@dataclass(frozen=True)
-class VllmOptions:
-    """How vLLM's scheduler runs: whose KV-cache manager, and async scheduling."""
-
-    kv_manager: str = "pagedkv"
-    async_scheduling: bool = False
-
-    def __post_init__(self) -> None:
-        if self.kv_manager not in KV_MANAGERS:
-            raise ConfigError(f"kv_manager must be one of {KV_MANAGERS}, got {self.kv_manager!r}")
-
-
-def check_supported(config: ServeConfig) -> None:
-    """Refuse the serve settings vLLM's scheduler is not driven with here (one line each)."""
-    refused = {
-        "a real model's KV-cache groups (--model)": config.kv_cache_config is not None,
-        "eviction policies other than lru (--eviction)": config.eviction != "lru",
-        "a host-memory tier (--host-capacity)": config.host_num_blocks > 0,
-        "KV-cache events (clusters)": config.enable_kv_cache_events,
-        "async caching (--async-caching; vLLM's counterpart is --async-scheduling)": (
-            config.scheduler.async_caching
-        ),
-        "reserve_full_prompt=False": not config.scheduler.reserve_full_prompt,
-        "stop token ids": bool(config.scheduler.stop_token_ids),
-    }
-    for what, is_set in refused.items():
-        if is_set:
-            raise ConfigError(f"--scheduler vllm does not support {what}")
-    if not config.watermark < 1:
-        raise ConfigError(f"vLLM's watermark must be < 1, got {config.watermark!r}")
 
 
 class _Batch:
