@@ -53,14 +53,20 @@ _HASH_FUNCTIONS = {"sha256": "sha256", "sha256_cbor": "sha256_cbor", "xxh3_128":
 class _Batch:
     """A scheduled step on its way through the simulated GPU."""
 
-    __slots__ = ("output", "request_ids", "samples", "end_s")
+    __slots__ = ("output", "request_ids", "samples", "first_ids", "end_s")
 
     def __init__(
-        self, output: Any, request_ids: list[str], samples: list[bool], end_s: float
+        self,
+        output: Any,
+        request_ids: list[str],
+        samples: list[bool],
+        first_ids: list[str],
+        end_s: float,
     ) -> None:
         self.output = output
         self.request_ids = request_ids  # in the batch's order
         self.samples = samples  # per request: it samples a token at the batch's end
+        self.first_ids = first_ids  # sampling requests that had no output token yet
         self.end_s = end_s
 
 
@@ -219,6 +225,7 @@ class VllmServeRun(ServeRun):
         request_ids: list[str] = []
         token_counts: list[int] = []
         samples: list[bool] = []
+        first_ids: list[str] = []
         # Hot path: one pass over the batch for the cost model's counts and the sampling list.
         for request_id, num_new in output.num_scheduled_tokens.items():
             request = requests[request_id]
@@ -232,12 +239,17 @@ class VllmServeRun(ServeRun):
                 num_prefill += num_new
                 num_pairs += num_new * num_computed + num_new * (num_new + 1) // 2
             num_kv_read += num_computed + num_new
-            samples.append(not request.is_prefill_chunk)
+            if request.is_prefill_chunk:
+                samples.append(False)
+            else:
+                samples.append(True)
+                if not request.num_output_tokens:
+                    first_ids.append(request_id)
         if not request_ids:
             self.num_empty_batches += 1
             if self.num_empty_batches > self.batch_queue_size and not self.in_flight:
                 self.wait_for_arrival(output)
-            return _Batch(output, request_ids, samples, max(self.now, self.gpu_free_s))
+            return _Batch(output, request_ids, samples, first_ids, max(self.now, self.gpu_free_s))
         self.num_empty_batches = 0
         num_running, num_waiting = scheduler.get_request_counts()
         preempted = output.preempted_req_ids or ()
@@ -260,7 +272,7 @@ class VllmServeRun(ServeRun):
         duration_s = self.config.cost_model.step_time_s(record)
         self.account_batch(record, start_s, duration_s)
         self.gpu_free_s = start_s + duration_s
-        return _Batch(output, request_ids, samples, self.gpu_free_s)
+        return _Batch(output, request_ids, samples, first_ids, self.gpu_free_s)
 
     def wait_for_arrival(self, output: Any) -> None:
         """Nothing can be scheduled and nothing is in flight: the next arrival is all that can
@@ -308,22 +320,21 @@ class VllmServeRun(ServeRun):
                 pooler_output=[],
             ),
         )
+        now = self.now
+        for request_id in batch.first_ids:
+            timing = timings.get(request_id)
+            request = requests.get(request_id)
+            # Unset if an earlier batch delivered it (async), or if the token was dropped.
+            if timing is not None and timing.first_token_s is None and request.num_output_tokens:
+                timing.first_token_s = now
         for engine_output in engine_outputs.values():
             if engine_output.scheduler_stats is not None:
                 stats = engine_output.scheduler_stats.prefix_cache_stats
                 if stats is not None:
                     self.prefix_cache.add(stats)
-        now = self.now
-        for request_id, samples in zip(request_ids, batch.samples, strict=True):
-            request = requests.get(request_id) if samples else None
-            if request is None:
-                continue
-            timing = timings[request_id]
-            if timing.first_token_s is None and request.num_output_tokens:
-                timing.first_token_s = now
-            if request.is_finished():
-                del requests[request_id]
-                self.account_finished(request)
+            # Hot path: the requests vLLM finished in this update, not a pass over the batch.
+            for request_id in engine_output.finished_requests or ():
+                self.account_finished(requests.pop(request_id))
 
 
 def _block_hasher(trace_hasher: TraceBlockHasher, kv_manager: str) -> Any:
@@ -419,6 +430,7 @@ def make_scheduler(config: ServeConfig, options: VllmOptions, model_dir: str) ->
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=config.block_size,
+        include_finished_set=True,  # each update's outputs name the requests it finished
         log_stats=True,
     )
 
