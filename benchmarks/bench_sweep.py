@@ -19,9 +19,9 @@ import time
 from importlib import resources
 
 from pagedkv.sim.executors import LocalExecutor, RayExecutor
+from pagedkv.sim.inputs.traces import load_trace
 from pagedkv.sim.replay import default_capacities
 from pagedkv.sim.sweep import ReplayCell, grid_cells, run_sweep
-from pagedkv.sim.traces import load_trace
 
 
 def make_cells(trace, block_sizes: list[int], policies: list[str], num_capacities: int) -> list:

@@ -16,7 +16,7 @@ import os
 import tempfile
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 # vLLM's CPU platform wherever this runs: no model runs, and a platform adjusts the config (the
 # results would depend on the machine). Set before vLLM is imported: it reads it then.
@@ -38,9 +38,9 @@ from pagedkv.errors import InvariantViolation
 from pagedkv.integrations.vllm import AsyncScheduler as PagedKVAsyncScheduler
 from pagedkv.integrations.vllm import Scheduler as PagedKVScheduler
 from pagedkv.sched import StepRecord
-from pagedkv.sim.block_keys import TraceBlockHasher
+from pagedkv.sim.inputs.block_keys import TraceBlockHasher
+from pagedkv.sim.inputs.traces import Trace, TraceRequest
 from pagedkv.sim.serve import ProgressCallback, ServeConfig, ServeResult, ServeRun, StopCallback
-from pagedkv.sim.traces import Trace, TraceRequest
 from pagedkv.sim.vllm_options import VllmOptions, check_supported
 from pagedkv.stats import PrefixCacheStats
 
@@ -111,9 +111,12 @@ class VllmServeRun(ServeRun):
     ) -> None:
         check_supported(config)
         self.options = options
-        self.scheduler = make_scheduler(config, options, model_dir)
+        # `vllm` is vLLM's scheduler, typed as vLLM types it (not as pagedkv's `Scheduler`,
+        # which `scheduler` is typed as in ServeRun's methods that read it).
+        self.vllm: Any = make_scheduler(config, options, model_dir)
+        self.scheduler = self.vllm
         self.prefix_cache = _PrefixCacheTotals()
-        self.manager = self.prefix_cache  # what `summary()` asks for the stats
+        self.manager = cast(Any, self.prefix_cache)  # what `summary()` asks for the stats
         self.hasher: Any
         self.trace_hasher: TraceBlockHasher | None = None
         if not config.enable_prefix_caching:
@@ -165,7 +168,7 @@ class VllmServeRun(ServeRun):
         scheduling, `EngineCore.step`): schedule if the queue has room, and return at once
         while it still has room; otherwise wait for the oldest batch and update from it.
         """
-        scheduler = self.scheduler
+        scheduler = self.vllm
         in_flight = self.in_flight
         num_requests = len(self.requests)
         while (
@@ -192,7 +195,7 @@ class VllmServeRun(ServeRun):
     def queue_arrived(self) -> None:
         """Build and queue arrived requests while at most `max_num_seqs` are waiting."""
         arrived = self.arrived
-        scheduler = self.scheduler
+        scheduler = self.vllm
         max_num_seqs = scheduler.scheduler_config.max_num_seqs
         while arrived and len(scheduler.waiting) <= max_num_seqs:
             trace_request, arrival_s = arrived.popleft()
@@ -219,7 +222,7 @@ class VllmServeRun(ServeRun):
     def launch(self, output: Any) -> _Batch:
         """Put a scheduled batch on the simulated GPU: after the batches before it, for as long
         as the cost model says; record the step as serve does."""
-        scheduler = self.scheduler
+        scheduler = self.vllm
         requests = scheduler.requests
         num_prefill = num_decode = num_kv_read = num_pairs = 0
         request_ids: list[str] = []
@@ -279,8 +282,8 @@ class VllmServeRun(ServeRun):
         change that (vLLM waits for it); with none left, the run cannot finish."""
         if self.next_index >= len(self.requests) and not self.arrived:
             raise InvariantViolation(
-                f"vLLM's scheduler scheduled nothing at step {self.scheduler.current_step} "
-                f"with {self.scheduler.get_num_unfinished_requests()} requests unfinished and "
+                f"vLLM's scheduler scheduled nothing at step {self.vllm.current_step} "
+                f"with {self.vllm.get_num_unfinished_requests()} requests unfinished and "
                 "none left to arrive"
             )
         if not self.arrived:
@@ -309,7 +312,7 @@ class VllmServeRun(ServeRun):
                 continue
             start = timings[request_id].trace_request.output_token_start
             sampled.append([start + request.num_output_tokens])
-        engine_outputs = self.scheduler.update_from_output(
+        engine_outputs = self.vllm.update_from_output(
             output,
             ModelRunnerOutput(
                 req_ids=request_ids,
@@ -325,7 +328,7 @@ class VllmServeRun(ServeRun):
             timing = timings.get(request_id)
             request = requests.get(request_id)
             # Unset if an earlier batch delivered it (async), or if the token was dropped.
-            if timing is not None and timing.first_token_s is None and request.num_output_tokens:
+            if timing and request and timing.first_token_s is None and request.num_output_tokens:
                 timing.first_token_s = now
         for engine_output in engine_outputs.values():
             if engine_output.scheduler_stats is not None:
@@ -348,7 +351,7 @@ def _block_hasher(trace_hasher: TraceBlockHasher, kv_manager: str) -> Any:
         return trace_hasher
 
     def keys_as_bytes(request: Any) -> list[bytes]:
-        return [key.to_bytes(8, "little") for key in trace_hasher(request)]
+        return [cast(int, key).to_bytes(8, "little") for key in trace_hasher(request)]
 
     return keys_as_bytes
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from pagedkv.cli._checks import float_in, int_at_least
-from pagedkv.cli.simulate import cluster, eviction
+from pagedkv.cli.simulate import cluster, eviction, sweep
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace",
         metavar="PATH",
         help="JSONL trace (Mooncake, token ids or lengths); default: the "
-        "shipped Mooncake conversation sample (1,000 requests)",
+        "shipped Mooncake conversation sample (1,000 requests); a comma list is a sweep",
     )
     choice.add_argument(
         "--workload",
@@ -56,7 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "request at a time",
     )
     sim.add_argument(
-        "--block-size", type=int_at_least(1), default=16, help="tokens per block (default 16)"
+        "--block-size",
+        type=sweep.block_sizes_text,
+        default="16",
+        metavar="TOKENS",
+        help="tokens per block (default 16); a comma list (16,64) is a sweep",
     )
     sim.add_argument(
         "--capacity",
@@ -103,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         default=None,
         metavar="NAME",
-        help="model/GPU cost profile (default llama3.1-8b-h100; --list-profiles shows all)",
+        help="model/GPU cost profile (default llama3.1-8b-h100; --list-profiles shows all); "
+        "a comma list is a sweep",
     )
     serve.add_argument(
         "--list-profiles",
@@ -179,14 +184,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ".pdf...): hit rate vs capacity (replay), usage and queues over time (serve)",
     )
     output.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+    output.add_argument(
+        "--output",
+        metavar="FILE",
+        help="also write the results as tidy rows, one per cell and metric (.parquet needs "
+        "the [parquet] extra, .csv writes FILE.meta.json beside it): command line and "
+        "version included",
+    )
     cluster.add_arguments(parser)
+    sweep.add_arguments(parser)
     eviction.add_arguments(parser)
     # Every option's default, to tell a run with no simulation option (the memory study).
     parser.set_defaults(_option_defaults=vars(parser.parse_args([])))
 
 
 # Options that change only how results are shown or computed, not what is simulated.
-_OUTPUT_OPTIONS = frozenset({"json", "plot", "no_progress", "jobs"})
+_OUTPUT_OPTIONS = frozenset(
+    {"json", "plot", "no_progress", "jobs", "output", "executor", "ray_address"}
+)
 
 
 def resolve_mode(args: argparse.Namespace) -> str:

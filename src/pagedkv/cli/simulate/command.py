@@ -12,7 +12,7 @@ import time
 import warnings
 from typing import Any
 
-from pagedkv.cli.simulate import checks, cluster, eviction, memory
+from pagedkv.cli.simulate import checks, cluster, eviction, memory, sweep
 from pagedkv.cli.simulate.args import add_arguments, resolve_mode
 from pagedkv.cli.simulate.interrupt import StopOnCtrlC
 from pagedkv.cli.simulate.progress import Progress
@@ -38,12 +38,21 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from pagedkv.sim import cost_model
-    from pagedkv.sim.report import print_report, render_profiles, to_json
+    from pagedkv.sim.report import render_profiles
 
     if args.list_profiles:
         sys.stdout.write(render_profiles())
         return 0
+    mode_given = args.mode is not None
     args.mode = resolve_mode(args)
+    sweep.normalize(args, _error, mode_given)
+    sweep.check(args, _error)  # first: a missing extra is named before any work
+    if args.output:
+        from pagedkv.sim.report.results import output_format
+
+        output_format(args.output)
+        if cluster.wanted(args):
+            raise _error("--output is not supported with a cluster (--instances) yet")
     if args.mode == "memory" and not (args.trace or args.workload or args.num_requests):
         args.num_requests = memory.DEFAULT_NUM_REQUESTS  # a few seconds for the whole study
     if args.mode != "memory" and args.time_scale is None:
@@ -67,13 +76,15 @@ def _run(args: argparse.Namespace) -> int:
     checks.check_simulate_args(args, cost_model, cluster=cluster.wanted(args))
     if cluster.wanted(args):
         cluster.preflight(args)
-    trace = _load(args)
-    checks.check_simulate_trace(args, trace)
     show_progress = not (args.json or args.no_progress) and sys.stderr.isatty()
 
     def make_progress(total: int, label: str) -> Progress:
         return Progress(total, label, show_progress)
 
+    if sweep.wanted(args):
+        return _sweep(args, cost_model, make_progress)
+    trace = _load(args)
+    checks.check_simulate_trace(args, trace)
     if cluster.wanted(args):
         config, profile_name = _serve_config(args, cost_model)
         return cluster.run(args, trace, config, profile_name, make_progress)
@@ -88,20 +99,53 @@ def _run(args: argparse.Namespace) -> int:
         the_report, speed, plot = _replay(args, trace, show_progress)
     else:
         the_report, speed, plot = _serve(args, trace, cost_model, show_progress)
-    if args.json:
-        sys.stdout.write(to_json(the_report))
-        print(
-            f"simulated {speed.num_prompt_tokens_simulated:,} prompt tokens in "
-            f"{speed.wall_s:.1f} s ({speed.prompt_tokens_per_s:,.0f} tokens/s)",
-            file=sys.stderr,
-        )
-    else:
-        print_report(the_report, speed)
+    _print(args, the_report, speed)
     if args.plot and plot is not None:
         plot(args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     interrupted = args.mode == "serve" and the_report["results"].get("interrupted", False)
     return 130 if interrupted else 0
+
+
+def _print(args: argparse.Namespace, the_report: dict[str, Any], speed: Any) -> None:
+    """The report (table or JSON, the speed on stderr with JSON), and the --output file."""
+    from pagedkv.sim.report import print_report, to_json
+
+    if args.json:
+        sys.stdout.write(to_json(the_report))
+        steps = f", {speed.steps_per_s:,.0f} steps/s" if speed.num_steps else ""
+        print(
+            f"simulated {speed.num_prompt_tokens_simulated:,} prompt tokens in "
+            f"{speed.wall_s:.1f} s ({speed.prompt_tokens_per_s:,.0f} tokens/s{steps})",
+            file=sys.stderr,
+        )
+    else:
+        print_report(the_report, speed)
+    if args.output:
+        from pagedkv.sim.report.results import write_results
+
+        num_rows = write_results(args.output, the_report, ["pagedkv", *sys.argv[1:]])
+        print(f"wrote {args.output} ({num_rows:,} rows)", file=sys.stderr)
+
+
+def _sweep(args: argparse.Namespace, cost_model: Any, make_progress: Any) -> int:
+    """A grid of cells, run by the chosen executor; one report for all."""
+    from pagedkv.sim.report import Speed
+
+    traces = []
+    for path in args.traces or [None]:
+        trace = _load(argparse.Namespace(**{**vars(args), "trace": path}))
+        checks.check_simulate_trace(argparse.Namespace(**{**vars(args), "trace": path}), trace)
+        traces.append(trace)
+
+    def serve_config(cell_args: argparse.Namespace) -> Any:
+        return _serve_config(cell_args, cost_model)
+
+    grid = sweep.cells(args, traces, serve_config)
+    executor = sweep.make_executor(args, _max_workers(args))
+    the_report, wall_s, num_tokens = sweep.run(args, traces, grid, executor, make_progress)
+    _print(args, the_report, Speed(wall_s, num_tokens))
+    return 0
 
 
 def _error(message: str) -> Exception:
@@ -200,17 +244,32 @@ def _serve(args: argparse.Namespace, trace: Any, cost_model: Any, show_progress:
     from pagedkv.sim.serve import simulate_serving
 
     config, profile_name = _serve_config(args, cost_model)
+    options = sweep.vllm_options(args)
+    if options is not None:
+        from pagedkv.sim.vllm_options import check_supported
+
+        check_supported(config)  # before vLLM's import (seconds)
     progress = Progress(len(trace.requests), "serving", show_progress)
     start = time.perf_counter()
     try:
         with StopOnCtrlC() as stop:  # Ctrl-C ends the run; the report shows what it measured
-            result = simulate_serving(trace, config, progress, stop)
+            if options is None:
+                result = simulate_serving(trace, config, progress, stop)
+            else:
+                from pagedkv.sim.vllm_serve import simulate_serving_vllm
+
+                result = simulate_serving_vllm(trace, config, options, progress, stop)
     finally:
         progress.close()
     wall_s = time.perf_counter() - start
-    speed = Speed(wall_s, result.summary["tokens"]["prompt"])
+    speed = Speed(wall_s, result.summary["tokens"]["prompt"], result.summary["num_steps"])
     model_name = _model_name(args.model) if args.model else None
     the_report = serve_report(trace, config, profile_name, result, model_name)
+    if options is not None:
+        the_report["config"]["vllm_scheduler"] = {
+            "kv_manager": options.kv_manager,
+            "async_scheduling": options.async_scheduling,
+        }
 
     def plot(path: str) -> None:
         from pagedkv.sim.report.plot import plot_serve

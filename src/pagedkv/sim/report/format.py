@@ -23,10 +23,15 @@ class Speed:
 
     wall_s: float
     num_prompt_tokens_simulated: int
+    num_steps: int = 0  # scheduler steps (serve mode), 0 where a mode has none
 
     @property
     def prompt_tokens_per_s(self) -> float:
         return self.num_prompt_tokens_simulated / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.num_steps / self.wall_s if self.wall_s > 0 else 0.0
 
 
 def to_json(report: dict[str, Any]) -> str:

@@ -23,6 +23,8 @@ def _rows(
     report: dict[str, Any], speed: Speed | None
 ) -> tuple[str, list[str], list[list[str]], list[tuple[str, str]]]:
     """Title, table header, table rows and (label, value) notes for either mode."""
+    if report["mode"] == "sweep":
+        return _sweep_rows(report, speed)
     trace = report["trace"]
     title = (
         f"pagedkv simulate ({report['mode']}): {trace['name']}: {trace['num_requests']:,} "
@@ -46,9 +48,25 @@ def _rows(
             (
                 "simulator speed",
                 f"{speed.wall_s:.1f} s wall, {speed.prompt_tokens_per_s:,.0f} simulated prompt "
-                "tokens/s",
+                "tokens/s" + (f", {speed.steps_per_s:,.0f} steps/s" if speed.num_steps else ""),
             )
         )
+    return title, header, rows, notes
+
+
+def _sweep_rows(
+    report: dict[str, Any], speed: Speed | None
+) -> tuple[str, list[str], list[list[str]], list[tuple[str, str]]]:
+    from pagedkv.sim.report.sweep import sweep_rows
+
+    names = ", ".join(trace["name"] for trace in report["traces"])
+    mode, num_cells = report["sweep_mode"], report["num_cells"]
+    title = f"pagedkv simulate (sweep, {mode}): {num_cells:,} cells of {names}"
+    header, rows = sweep_rows(report)
+    notes: list[tuple[str, str]] = []
+    if speed is not None:
+        cells_per_s = report["num_cells"] / speed.wall_s if speed.wall_s > 0 else 0.0
+        notes.append(("simulator speed", f"{speed.wall_s:.1f} s wall, {cells_per_s:.2f} cells/s"))
     return title, header, rows, notes
 
 

@@ -17,12 +17,12 @@ vllm = pytest.importorskip("vllm", reason="no vLLM in this venv: .ci/vllm-suites
 from pagedkv.errors import ConfigError  # noqa: E402
 from pagedkv.sched import SchedulerConfig  # noqa: E402
 from pagedkv.sim.cost_model import LinearCostModel, get_profile  # noqa: E402
+from pagedkv.sim.inputs.traces import load_trace  # noqa: E402
 from pagedkv.sim.serve import ServeConfig, simulate_serving  # noqa: E402
-from pagedkv.sim.traces import load_trace  # noqa: E402
 from pagedkv.sim.vllm_options import VllmOptions  # noqa: E402
 from pagedkv.sim.vllm_serve import simulate_serving_vllm  # noqa: E402
+from tests.support.paths import DATA_DIR  # noqa: E402
 
-DATA = Path(__file__).resolve().parent / "data"
 COST = get_profile("llama3.1-8b-h100").cost_model()
 # Round numbers, so the step times of the async scenario can be added up by hand.
 SIMPLE_COST = LinearCostModel(
@@ -44,7 +44,7 @@ def tight_config(**overrides) -> ServeConfig:
 
 @pytest.fixture(scope="module")
 def head40():
-    return load_trace(DATA / "mooncake_head40.jsonl")
+    return load_trace(DATA_DIR / "mooncake_head40.jsonl")
 
 
 @pytest.fixture(scope="module")

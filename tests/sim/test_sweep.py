@@ -3,15 +3,15 @@ the mode it stands for (replay, eviction replay, serve), on any executor."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.sim.cost_model import get_profile
 from pagedkv.sim.eviction_replay import replay_policies
 from pagedkv.sim.executors import LocalExecutor
+from pagedkv.sim.inputs.traces import load_trace
 from pagedkv.sim.replay import replay
+from pagedkv.sim.report.sweep import sweep_report, sweep_rows
 from pagedkv.sim.serve import ServeConfig, simulate_serving
 from pagedkv.sim.sweep import (
     ReplayCell,
@@ -19,19 +19,15 @@ from pagedkv.sim.sweep import (
     grid_cells,
     load_grid_file,
     run_sweep,
-    sweep_report,
-    sweep_rows,
 )
-from pagedkv.sim.traces import load_trace
-
-DATA = Path(__file__).resolve().parent / "data"
+from tests.support.paths import DATA_DIR
 
 
 @pytest.fixture(scope="module")
 def traces():
     return [
-        load_trace(DATA / "mooncake_head40.jsonl"),
-        load_trace(DATA / "mooncake_conversations46.jsonl"),
+        load_trace(DATA_DIR / "mooncake_head40.jsonl"),
+        load_trace(DATA_DIR / "mooncake_conversations46.jsonl"),
     ]
 
 

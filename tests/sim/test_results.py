@@ -12,18 +12,24 @@ import pytest
 
 from pagedkv import __version__
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.sim.inputs.traces import load_trace
 from pagedkv.sim.replay import replay
 from pagedkv.sim.report import replay_report
-from pagedkv.sim.results import COLUMNS, META_SUFFIX, output_format, report_rows, write_results
-from pagedkv.sim.traces import load_trace
+from pagedkv.sim.report.results import (
+    COLUMNS,
+    META_SUFFIX,
+    output_format,
+    report_rows,
+    write_results,
+)
+from tests.support.paths import DATA_DIR
 
-DATA = Path(__file__).resolve().parent / "data"
 COMMAND = ["pagedkv", "simulate", "--mode", "replay", "--capacity", "100,unlimited"]
 
 
 @pytest.fixture(scope="module")
 def replay_report_40():
-    trace = load_trace(DATA / "mooncake_head40.jsonl")
+    trace = load_trace(DATA_DIR / "mooncake_head40.jsonl")
     points = replay(trace, [100, None], 16)
     return replay_report(trace, points, 16, "sha256")
 

@@ -4,11 +4,11 @@ same results in task order; errors come back as their own type; shared inputs tr
 from __future__ import annotations
 
 import pytest
-from ray_support import ray_workers_import_tests
 
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.sim.executors import LocalExecutor, RayExecutor
 from pagedkv.sim.processes import can_fork
+from tests.support.ray import ray_workers_import_tests
 
 SHARED = [list(range(1000)), {"offset": 7}]
 TASKS = [(0, 3), (1, 5), (0, 999), (1, -7), (0, 0)]
