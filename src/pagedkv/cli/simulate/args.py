@@ -98,8 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--jobs",
         type=int,
         metavar="N",
-        help="worker processes for a replay sweep or a memory study (default: one per core; "
-        "1: in this process)",
+        help="worker processes for a replay sweep, a memory study or a grid's cells, or the "
+        "CPUs of the local Ray that --executor ray starts (default: one per core; 1: in this "
+        "process)",
     )
 
     serve = parser.add_argument_group("serve mode")
