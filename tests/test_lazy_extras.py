@@ -21,6 +21,8 @@ EXTRAS = {
     "msgspec",
     "numpy",
     "prometheus_client",
+    "pyarrow",
+    "ray",
     "redis",
     "rich",
     "torch",
@@ -32,11 +34,13 @@ EXTRAS = {
 }
 # Extras a package (or one file) may import at module level: the engine is the torch adapter;
 # its Triton kernels module is imported only when the triton backend is asked for; the vLLM
-# integration is imported only by vLLM (its scheduler class, its pytest plugin).
+# integration is imported only by vLLM (its scheduler class, its pytest plugin); serve mode on
+# vLLM's scheduler only by `simulate --scheduler vllm` (inside a function).
 EAGER_ALLOWED = {
     "engine": {"torch", "transformers"},
     "engine/triton_kernels.py": {"torch", "triton"},
     "integrations": {"vllm", "torch"},
+    "sim/vllm_serve.py": {"vllm", "torch"},
 }
 
 
