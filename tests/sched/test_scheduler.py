@@ -183,6 +183,32 @@ def test_priority_policy_preempts_the_lowest_priority_not_the_last():
     assert list(scheduler.waiting) == [low]
 
 
+def test_priority_victim_that_is_the_request_itself_lets_the_requests_after_it_run():
+    # 5 usable blocks of 4 tokens. `low` (7 prompt tokens, 2 blocks) runs first, then `top`
+    # (8 tokens, 2 blocks) and `mid` (4 tokens, 1 block) fill the pool. Next step `low` needs a
+    # third block, finds none and is its own victim (the lowest priority); as in vLLM's
+    # scheduler, `top` and `mid` behind it still run in that step, in what `low` freed.
+    manager = make_manager(6, max_model_len=20)
+    scheduler = Scheduler(manager, SchedulerConfig(max_num_batched_tokens=16), PriorityPolicy())
+    low = make_request("low", range(7), max_tokens=10, priority=5, arrival_time=0.0)
+    scheduler.add_request(low)
+    step(scheduler)
+    scheduler.add_request(make_request("top", range(100, 108), max_tokens=10, priority=0))
+    scheduler.add_request(make_request("mid", range(200, 204), max_tokens=10, priority=1))
+    admitted, _ = step(scheduler)
+    assert [(i.request_id, i.num_scheduled_tokens) for i in admitted.scheduled] == [
+        ("low", 1),
+        ("top", 8),
+        ("mid", 4),
+    ]
+    assert manager.block_pool.get_num_free_blocks() == 0
+    output, _ = step(scheduler)
+    assert output.preempted_request_ids == ["low"]
+    # `low`'s two cached blocks were freed tail first, so its tail block 2 is reused first.
+    assert batch(output) == [("top", 8, 1, [3, 4, 2]), ("mid", 4, 1, [5, 1])]
+    assert low.status == RequestStatus.PREEMPTED and list(scheduler.waiting) == [low]
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_budget_and_max_num_seqs_hold_every_step(policy, seed):

@@ -235,7 +235,13 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
-                    return budget
+                    break
+            if new_blocks is None:
+                # The request was the victim itself (it left `running`, so `index` already
+                # names the next one). As vLLM's scheduler: the requests after it rank above
+                # it under the priority policy and may fit in what it freed; under FCFS it
+                # was the last one, so the pass ends here.
+                continue
             tables = self._tables.get(request.request_id) or self._live_tables(request)
             scheduled.append(
                 ScheduledRequest(request, num_computed, num_new, tables, new_blocks.blocks)
