@@ -13,17 +13,7 @@ from __future__ import annotations
 import threading
 from _thread import get_ident
 
-from pagedkv.errors import PagedKVError
-
-
-class ThreadOwnershipError(PagedKVError, RuntimeError):
-    """A thread changed a single-owner structure that another, live thread owns (nothing was
-    changed); names both threads."""
-
-    def __init__(self, message: str, *, owner_thread: str, calling_thread: str) -> None:
-        super().__init__(message)
-        self.owner_thread = owner_thread
-        self.calling_thread = calling_thread
+from pagedkv.errors import ThreadOwnershipError
 
 
 class OwnerThread:

@@ -47,6 +47,12 @@ def exit_code(interrupt: KeyboardInterrupt) -> int:
     return SIGNAL_EXIT_BASE + getattr(interrupt, "signum", signal.SIGINT)
 
 
+def interrupted(exc: KeyboardInterrupt) -> str:
+    """`interrupted` (Ctrl-C) or `interrupted (SIGTERM)`: what the CLI says on stderr."""
+    signum = getattr(exc, "signum", signal.SIGINT)
+    return "interrupted" if signum == signal.SIGINT else f"interrupted ({signal_name(signum)})"
+
+
 def _installable(signum: int) -> bool:
     """Handlers can be set here (main thread) and the signal is not ignored: a process started
     under `nohup`, or in the background by a script, keeps ignoring what it was told to."""
@@ -55,24 +61,46 @@ def _installable(signum: int) -> bool:
     return signal.getsignal(signum) is not signal.SIG_IGN
 
 
-def _raise_shutdown(signum: int, frame: FrameType | None) -> None:
-    raise Shutdown(signum)
-
-
 @contextmanager
 def raise_on_signals() -> Iterator[None]:
     """While active, SIGINT, SIGTERM and SIGHUP raise `Shutdown` in the main thread (outside
     it, or for a signal ignored at start, nothing changes); the previous handlers come back
-    afterwards."""
+    afterwards.
+
+    A signal handler's exception is lost where it lands in code whose exceptions the
+    interpreter only reports (an at-fork hook, a `__del__`, a weakref callback): such a
+    `Shutdown` is kept instead, and raised when the block ends. (One a command catches on
+    purpose, as `events listen` ends on Ctrl-C, stays caught.)
+    """
+    lost: list[BaseException] = []
+    report_unraisable = sys.unraisablehook
+
+    def keep_lost_shutdown(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, Shutdown):
+            lost.append(unraisable.exc_value)
+        else:
+            report_unraisable(unraisable)
+
     previous: dict[int, Any] = {}
     for signum in SHUTDOWN_SIGNALS:
         if _installable(signum):
             previous[signum] = signal.signal(signum, _raise_shutdown)
+    sys.unraisablehook = keep_lost_shutdown
     try:
         yield
+    except KeyboardInterrupt:
+        raise
+    else:
+        if lost:
+            raise lost[-1]
     finally:
+        sys.unraisablehook = report_unraisable
         for restored, handler in previous.items():
             signal.signal(restored, handler)
+
+
+def _raise_shutdown(signum: int, frame: FrameType | None) -> None:
+    raise Shutdown(signum)
 
 
 class StopOnSignal:

@@ -65,3 +65,22 @@ def test_the_first_signal_asks_to_stop_and_the_second_aborts(signum, capsys):
     assert capsys.readouterr().err == (
         f"\nstopping: the report covers what was measured so far ({again} again to abort)\n"
     )
+
+
+def test_a_shutdown_swallowed_where_it_landed_is_raised_when_the_block_ends():
+    class SwallowsInDel:
+        def __del__(self) -> None:
+            deliver(signal.SIGTERM)  # the handler's exception is "ignored" in __del__
+
+    with pytest.raises(Shutdown) as caught:
+        with raise_on_signals():
+            SwallowsInDel()  # collected at once: its __del__ runs here
+    assert caught.value.signum == signal.SIGTERM
+
+
+def test_a_shutdown_caught_on_purpose_stays_caught():
+    with raise_on_signals():
+        try:
+            deliver(signal.SIGINT)
+        except KeyboardInterrupt:  # as `events listen` ends on Ctrl-C
+            pass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from pagedkv.errors import PagedKVError
-from pagedkv.owner_thread import OwnerThread, ThreadOwnershipError
+from pagedkv.errors import PagedKVError, ThreadOwnershipError
+from pagedkv.owner_thread import OwnerThread
 
 
 def in_thread(function, name: str):
