@@ -364,8 +364,8 @@ def load_trace(path: str | Path, limit: int | None = None, name: str | None = No
     Memory is estimated line by line before it is spent, whatever `path` is (a file, a FIFO, a
     device, stdin): a line too long to parse, or a trace whose requests would not fit, raises
     `HostMemoryError` (having held at most that line's budget); blank lines in a row past that
-    budget raise `InputTooLargeError` (an endless stream of newlines). Unsorted timestamps are sorted
-    with a `TraceWarning`.
+    budget raise `InputTooLargeError` (an endless stream of newlines). Unsorted timestamps are
+    sorted with a `TraceWarning`.
     """
     path = Path(path)
     if limit is not None and limit < 1:
