@@ -15,6 +15,7 @@ from tests.support.paths import DATA_DIR, SRC_DIR
 SRC = SRC_DIR
 TRACE = str(DATA_DIR / "mooncake_conversations46.jsonl")
 
+CLUSTER = ("--instances", "2", "--router", "round-robin")
 COMMANDS = {
     "--help": ["--help"],
     "--version": ["--version"],
@@ -23,7 +24,7 @@ COMMANDS = {
     "simulate (serve table)": ["simulate", "--trace", TRACE],
     "simulate --json": ["simulate", "--trace", TRACE, "--json"],
     "simulate --mode replay (table)": ["simulate", "--mode", "replay", "--trace", TRACE],
-    "simulate --instances 2": ["simulate", "--trace", TRACE, "--instances", "2"],
+    "simulate --instances 2": ["simulate", "--trace", TRACE, *CLUSTER],
     "size": ["size", "--config", "llama-3.1-8b", "--memory", "80GiB"],
     "size --json": ["size", "--config", "llama-3.1-8b", "--memory", "80GiB", "--json"],
     "events --help": ["events", "--help"],
