@@ -38,6 +38,9 @@ LAYERS: dict[str, int] = {
     "hashing": 2,
     "retention": 2,  # per-request retention hints (plain data)
     "canonical_cbor": 1,  # sha256_cbor's payload encoder (errors only)
+    "owner_thread": 1,  # the single-owner thread rule (errors only)
+    "atomic_file": 1,  # output files that appear whole (stdlib only)
+    "bounded_read": 2,  # input read within a byte budget, any file type
     "request": 3,
     "sizing": 4,  # model configs -> per-layer specs -> KVCacheConfig (stdlib)
     "eviction": 6,  # eviction policies, retention levels, host tier (stdlib): the pool's order
@@ -78,6 +81,9 @@ CORE = {
     "free_queue",
     "hashing",
     "canonical_cbor",
+    "owner_thread",
+    "atomic_file",
+    "bounded_read",
     "request",
     "retention",
     "sizing",
@@ -107,6 +113,9 @@ ABOVE_LEAVES = {
 }
 LEAVES = {
     "errors",
+    "owner_thread",
+    "atomic_file",
+    "bounded_read",
     "memory_guard",
     "block",
     "specs",

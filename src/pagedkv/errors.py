@@ -43,6 +43,16 @@ class GroupIndexError(PagedKVError, IndexError):
     """A KV-cache group index is out of range."""
 
 
+class ThreadOwnershipError(PagedKVError, RuntimeError):
+    """A thread changed a single-owner structure (a manager, its pool, a scheduler) that
+    another, live thread owns; nothing was changed. Names both threads."""
+
+    def __init__(self, message: str, *, owner_thread: str, calling_thread: str) -> None:
+        super().__init__(message)
+        self.owner_thread = owner_thread
+        self.calling_thread = calling_thread
+
+
 class InvariantViolation(PagedKVError, AssertionError):
     """`check_invariants()` found a broken internal invariant (a bug, never user error)."""
 

@@ -117,6 +117,40 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+_MIN_BOOL_PROBES = 64
+
+
+def check_no_bool_tokens(token_ids: Sequence[int], packed: bytes) -> None:
+    """Raise `InvalidTypeError` naming the first bool among `token_ids` (`array` packs True
+    and False as 1 and 0 without a word); `packed` is `pack_token_ids(token_ids)`."""
+    # Hot path: only an id packed as 0 or 1 can be a bool, and its low byte is 0 or 1. Find
+    # those low bytes at C speed (every 4th byte, little-endian) and look at those ids alone
+    # (about 1 in 128 ids of a real prompt); where there are many, one C pass over the types.
+    low_bytes = packed[::4]
+    find = low_bytes.find
+    num_probes = 0
+    max_probes = _MIN_BOOL_PROBES + len(low_bytes) // 16  # a probe costs ~10 ids' C pass
+    for low in (0, 1):
+        position = find(low)
+        while position >= 0:
+            if type(token_ids[position]) is bool:
+                _raise_bool_token(token_ids)
+            num_probes += 1
+            if num_probes > max_probes:
+                if bool in set(map(type, token_ids)):
+                    _raise_bool_token(token_ids)
+                return
+            position = find(low, position + 1)
+
+
+def _raise_bool_token(token_ids: Sequence[int]) -> None:
+    for position, token in enumerate(token_ids):
+        if type(token) is bool:
+            raise InvalidTypeError(
+                f"token id at position {position} is {token!r} (bool); token ids must be int"
+            )
+
+
 def _raise_bad_token(token_ids: Sequence[int], exc: Exception) -> None:
     for position, token in enumerate(token_ids):
         if not isinstance(token, int) or isinstance(token, bool):

@@ -14,7 +14,12 @@ from typing import Any
 
 from pagedkv.block import BlockHash
 from pagedkv.errors import InvalidArgumentError, InvalidTypeError, RequestStateError
-from pagedkv.hashing import MAX_TOKEN_ID, RequestBlockHasher, pack_token_ids
+from pagedkv.hashing import (
+    MAX_TOKEN_ID,
+    RequestBlockHasher,
+    check_no_bool_tokens,
+    pack_token_ids,
+)
 from pagedkv.retention import RetentionConfig
 
 
@@ -136,6 +141,7 @@ class Request:
         if not tokens:
             raise InvalidArgumentError(f"request {request_id!r}: the prompt has no tokens")
         packed = pack_token_ids(tokens)  # validates every token id, naming the first bad one
+        check_no_bool_tokens(tokens, packed)
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
             raise InvalidArgumentError(f"request {request_id!r}: max_tokens={max_tokens!r}")
         self.request_id = request_id
@@ -273,7 +279,7 @@ class Request:
                 raise InvalidTypeError(
                     f"token_ids must be an int or a sequence of int: {token_ids!r}"
                 )
-            pack_token_ids(token_ids)
+            check_no_bool_tokens(token_ids, pack_token_ids(token_ids))
             self.all_token_ids.extend(token_ids)
             self.num_tokens += len(token_ids)
         hasher = self.block_hasher

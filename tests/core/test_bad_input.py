@@ -323,6 +323,12 @@ CASES = [
         append_and_check_request_unchanged([3, 4, None]),
     ),
     ("append a bool", InvalidTypeError, r"True", append_and_check_request_unchanged(True)),
+    (
+        "append a bool in a list",
+        InvalidTypeError,
+        r"position 1 is True \(bool\)",
+        append_and_check_request_unchanged([1, True]),
+    ),
     ("append a str", InvalidTypeError, r"'abc'", append_and_check_request_unchanged("abc")),
     (
         "append a negative token",
@@ -537,6 +543,11 @@ def test_config_must_be_a_kv_cache_config():
         ([5, -1], InvalidArgumentError, r"position 1 is -1"),
         ([2**32], InvalidArgumentError, r"position 0 is 4294967296"),
         ([], InvalidArgumentError, r"'r': the prompt has no tokens"),
+        ([True, False, True], InvalidTypeError, r"position 0 is True \(bool\)"),
+        ([7, 1, 0, False], InvalidTypeError, r"position 3 is False \(bool\)"),
+        # Many 0s and 1s (ids a bool could hide among), then a bool far down the prompt.
+        ([0, 1] * 5000 + [True], InvalidTypeError, r"position 10000 is True \(bool\)"),
+        ([256, 0] + [5] * 10 + [False], InvalidTypeError, r"position 12 is False"),
     ],
 )
 def test_bad_prompt_tokens(tokens, exc_type, pattern):
@@ -569,3 +580,9 @@ def test_bad_mm_feature(offset, length):
 def test_prompt_embeds_not_a_buffer():
     with pytest.raises(InvalidTypeError, match="list"):
         Request("r", [1, 2], prompt_embeds=[[0.0], [1.0]])
+
+
+def test_zeros_and_ones_are_token_ids_not_bools():
+    prompt = [0, 1, 256, 0, 65536, 1] * 50  # aligned and misaligned 0/1 byte patterns
+    request = Request("r", prompt, block_hasher=make_request_block_hasher(16))
+    assert request.prompt_token_ids == prompt

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from pagedkv import Request, make_request_block_hasher
 from pagedkv.canonical_cbor import MAX_VECTOR_TOKEN_ID, cbor_head, encode_token_blocks
+from pagedkv.errors import InvalidTypeError
 from pagedkv.hashing import CBOR_VECTOR_MIN_BLOCKS, pack_token_ids
 
 cbor2 = pytest.importorskip("cbor2")
@@ -106,10 +107,12 @@ def test_request_hashes_equal_the_reference_formula(vocab):
     assert request.block_hashes == reference_hashes(request.all_token_ids, 16, root)
 
 
-def test_bool_tokens_hash_as_cbor2_encodes_them():
+def test_bool_tokens_encode_as_cbor2_does_and_a_request_refuses_them():
+    # The encoder leaves bools to cbor2 (CBOR true, not 1) for direct callers...
+    tokens = [7, 8, True, 9]
+    assert encode_token_blocks(pack_token_ids(tokens), tokens, 4) is None
+    assert reference_tails(tokens, 4) != reference_tails([7, 8, 1, 9], 4)
+    # ...while a Request refuses them, as the trace loader does (issue 24).
     hasher = make_request_block_hasher(4, "sha256_cbor")
-    root = hashlib.sha256(cbor2.dumps("vllm-none-hash", canonical=True)).digest()
-    prompt = [7, 8, True, 9] + list(range(300, 320))
-    request = Request("r", prompt, block_hasher=hasher)
-    assert request.block_hashes == reference_hashes(prompt, 4, root)
-    assert request.block_hashes[0] != reference_hashes([7, 8, 1, 9], 4, root)[0]
+    with pytest.raises(InvalidTypeError, match=r"position 2 is True \(bool\)"):
+        Request("r", [*tokens, *range(300, 320)], block_hasher=hasher)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from _thread import get_ident
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,6 +30,7 @@ from pagedkv.eviction import (
     make_free_blocks,
 )
 from pagedkv.free_queue import FreeKVCacheBlockQueue
+from pagedkv.owner_thread import OwnerThread
 
 if TYPE_CHECKING:
     from pagedkv.request import Request
@@ -133,6 +135,11 @@ class BlockPool:
         # Bumped whenever a cache entry disappears: a lookup result taken at the current epoch
         # is still entirely valid, so adopting it needs no per-block re-check.
         self.eviction_epoch = 0
+        # The one thread that may change the pool (and the manager built on it; docs/design.md,
+        # "Threads"): every method that changes something checks it first.
+        self.owner_thread = OwnerThread(
+            "this KV cache (a KVCacheManager and its BlockPool)", "release_owner_thread()"
+        )
 
     # ------------------------------------------------------------------ lookups
 
@@ -153,6 +160,9 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop `num_blocks` blocks from the head of the free queue, evicting their cache entries."""
+        owner = self.owner_thread
+        if get_ident() != owner.thread_id:  # Hot path: the owner pays one C call
+            owner.check("BlockPool.get_new_blocks")
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise InvalidArgumentError(
                 f"cannot allocate {num_blocks} blocks: only "
@@ -205,6 +215,9 @@ class BlockPool:
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add a reference to each block (a prefix hit), taking free ones out of the free queue."""
+        owner = self.owner_thread
+        if get_ident() != owner.thread_id:  # Hot path: the owner pays one C call
+            owner.check("BlockPool.touch")
         if self.eviction_policy is not None:
             policy, collector = self.eviction_policy, self.metrics_collector
             _touch_with_policy(blocks, policy, self.null_block, collector)
@@ -231,6 +244,9 @@ class BlockPool:
         is evicted before its head. The null block is skipped. A block already free (a double
         free) raises `InvalidArgumentError` and leaves every block and the queue as they were.
         """
+        owner = self.owner_thread
+        if get_ident() != owner.thread_id:  # Hot path: the owner pays one C call
+            owner.check("BlockPool.free_blocks")
         if not isinstance(ordered_blocks, (list, tuple)):
             ordered_blocks = list(ordered_blocks)  # C-level copy; lets a bad call be undone
         if self.eviction_policy is not None:
@@ -312,6 +328,9 @@ class BlockPool:
         """
         if num_cached_blocks >= num_full_blocks:
             return
+        owner = self.owner_thread
+        if get_ident() != owner.thread_id:  # Hot path: the owner pays one C call
+            owner.check("BlockPool.cache_full_blocks")
         if len(block_hashes) < num_full_blocks:
             raise InvariantViolation(
                 f"request {request.request_id if request else None!r} has {len(block_hashes)} "
@@ -405,6 +424,9 @@ class BlockPool:
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the cache entries of the given blocks; ref counts and free queue stay."""
+        owner = self.owner_thread
+        if get_ident() != owner.thread_id:  # Hot path: the owner pays one C call
+            owner.check("BlockPool.evict_blocks")
         ids = list(block_ids)
         for block_id in ids:
             if type(block_id) is not int or not 0 <= block_id < self.num_gpu_blocks:
@@ -420,6 +442,9 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is held."""
+        owner = self.owner_thread
+        if get_ident() != owner.thread_id:  # Hot path: the owner pays one C call
+            owner.check("BlockPool.reset_prefix_cache")
         num_used = self.num_gpu_blocks - 1 - self.free_block_queue.num_free_blocks
         if num_used > 0:
             logger.warning(
@@ -447,6 +472,9 @@ class BlockPool:
 
     def take_events(self) -> list[KVCacheEvent]:
         """Drain the event queue (an empty list when events are off)."""
+        owner = self.owner_thread
+        if get_ident() != owner.thread_id:  # Hot path: the owner pays one C call
+            owner.check("BlockPool.take_events")
         if not self.kv_event_queue:
             return []
         events, self.kv_event_queue = self.kv_event_queue, []

@@ -6,7 +6,9 @@ A command module defines `COMMAND` (its name), `HELP` (one line), `add_arguments
 imports go inside `run`), so `pagedkv --help` stays fast and works without extras.
 
 A user's mistake never ends in a traceback: a bad argument, a `PagedKVError` or an `OSError`
-prints one line `pagedkv COMMAND: error: ...` and exits 2; Ctrl-C exits 130.
+prints one line `pagedkv COMMAND: error: ...` and exits 2. Signals end every command the same
+way (`_shutdown`): SIGINT (Ctrl-C), SIGTERM and SIGHUP run the clean-ups and exit 128 + the
+signal (130, 143, 129); a broken pipe (`| head`) stops quietly with 141, SIGPIPE's code.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import importlib
 import pkgutil
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from pagedkv.cli._shutdown import BROKEN_PIPE_EXIT, exit_code, interrupted, raise_on_signals, say
 from pagedkv.errors import PagedKVError
 
 
@@ -39,6 +42,11 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def _print_message(self, message: str, file: Any = None) -> None:
+        # argparse swallows every OSError here; a broken pipe must reach `main` (exit 141).
+        if message:
+            (file or sys.stderr).write(message)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
@@ -58,29 +66,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    command = parser.prog
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # a usage error (printed already), --help or --version
-        return exc.code if isinstance(exc.code, int) else 2
-    if not getattr(args, "_run", None):
-        parser.print_help()
-        return 2
-    command = f"{parser.prog} {args.command}"
-    try:
-        return int(args._run(args) or 0)
-    except KeyboardInterrupt:
-        print(f"\n{command}: interrupted", file=sys.stderr)
-        return 130
+        with raise_on_signals():
+            try:
+                args = parser.parse_args(argv)
+            except SystemExit as exc:  # a usage error (printed already), --help or --version
+                return exc.code if isinstance(exc.code, int) else 2
+            if not getattr(args, "_run", None):
+                parser.print_help()
+                return 2
+            command = f"{parser.prog} {args.command}"
+            return int(args._run(args) or 0)
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGHUP: the clean-ups have run
+        say(f"\n{command}: {interrupted(exc)}")
+        return exit_code(exc)
     except BrokenPipeError:
-        # The reader (`| head`) went away: stop quietly, as Unix tools do.
-        import os
-
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        # The reader (`| head`) went away: stop quietly, with SIGPIPE's code, as Unix tools do.
+        _silence_stdout()
+        return BROKEN_PIPE_EXIT
     except (PagedKVError, OSError) as exc:
         print(f"{command}: error: {exc}", file=sys.stderr)
         return 2
     except MemoryError:
         print(f"{command}: error: out of memory", file=sys.stderr)
         return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of what is still buffered
+    raises nothing (it would print "Exception ignored ... BrokenPipeError" and exit 120)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout (an embedding, a test's capture)
+        pass

@@ -3,7 +3,7 @@
 `--model` is a checkpoint directory, a `config.json` (random weights, seeded), or the name of a
 config shipped in `pagedkv/data/models/` (`tiny-llama`). Needs the `[torch]` extra at run time.
 Every argument is checked before the model is loaded; a mistake is one line on stderr and
-exit status 2, Ctrl-C exits 130.
+exit status 2, Ctrl-C exits 130 (SIGTERM 143, SIGHUP 129).
 """
 
 from __future__ import annotations
@@ -91,9 +91,11 @@ def run(args: argparse.Namespace) -> int:
     except PagedKVError as exc:
         print(f"pagedkv generate: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("pagedkv generate: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGHUP
+        from pagedkv.cli._shutdown import exit_code, interrupted, say
+
+        say(f"pagedkv generate: {interrupted(exc)}")
+        return exit_code(exc)
 
 
 def check_arguments(args: argparse.Namespace) -> None:

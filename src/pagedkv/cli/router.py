@@ -69,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # the port is taken, an endpoint cannot be bound
         print(f"pagedkv router serve: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # SIGHUP (the service stops on SIGINT/SIGTERM itself)
+        from pagedkv.cli._shutdown import exit_code
+
+        return exit_code(exc)
     return 0
 
 

@@ -7,6 +7,7 @@ host-tier methods and keys-only replay are its thin rest. Knows nothing of sched
 
 from __future__ import annotations
 
+from _thread import get_ident
 from collections.abc import Iterable, Sequence
 
 from pagedkv.block import BlockHash, KVCacheBlock
@@ -111,6 +112,8 @@ class KVCacheManager:
         self.spec_decode = spec_decode
         self.use_eagle = spec_decode.use_eagle
         self.block_pool = self.coordinator.block_pool
+        # One owner thread for the manager and its pool (docs/design.md, "Threads").
+        self.owner_thread = self.block_pool.owner_thread
         policy = self.block_pool.eviction_policy
         self._retention = policy.retention if policy is not None else None
         check_host_tier_layout(self.block_pool, self.coordinator.single_type_managers)
@@ -252,6 +255,8 @@ class KVCacheManager:
             return allocator.allocate(
                 request, num_new_tokens, self.enable_caching and not delay_cache_blocks
             )
+        # The fast path above changes the pool only through calls that check the thread.
+        self.owner_thread.check("KVCacheManager.allocate_slots")
         hits = self._checker.check_allocation(
             request,
             num_new_tokens,
@@ -349,6 +354,7 @@ class KVCacheManager:
             `start` got their slot, and those of them that needed a new block.
         """
         check_count("start", start)
+        self.owner_thread.check("KVCacheManager.allocate_decode_slots")  # once per step
         allocator = self._running_allocator
         if allocator is not None:
             live = self._requests
@@ -388,6 +394,9 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks (unknown requests: a no-op)."""
+        owner = self.owner_thread
+        if get_ident() != owner.thread_id:  # Hot path: the owner pays one C call
+            owner.check("KVCacheManager.free")
         request_id = request.request_id
         live = self._requests
         if live.get(request_id) is request:
@@ -403,6 +412,7 @@ class KVCacheManager:
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """Forget the request's blocks without freeing them; free later with
         `block_pool.free_blocks(reversed(blocks))`."""
+        self.owner_thread.check("KVCacheManager.pop_blocks_for_free")
         if self._requests.get(request.request_id) is request:
             del self._requests[request.request_id]
         elif request.request_id in self._requests:
@@ -411,16 +421,19 @@ class KVCacheManager:
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
         check_count("processed_computed_tokens", processed_computed_tokens)
+        self.owner_thread.check("KVCacheManager.remove_skipped_blocks")
         self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """Record the request's blocks from `start_token` on for zeroing again (after a failed
         KV load left them unwritten); `start_token` must be block aligned in each group."""
+        self.owner_thread.check("KVCacheManager.record_blocks_for_zeroing")
         check_count("start_token", start_token)
         self.coordinator.record_blocks_for_zeroing(request_id, start_token)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's full blocks up to `num_computed_tokens` (async scheduling)."""
+        self.owner_thread.check("KVCacheManager.cache_blocks")
         if not self.enable_caching:
             return
         check_count("num_computed_tokens", num_computed_tokens)
@@ -439,6 +452,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False (and nothing changes) while blocks are held."""
+        self.owner_thread.check("KVCacheManager.reset_prefix_cache")
         if not self.block_pool.reset_prefix_cache():
             return False
         if self.prefix_cache_stats is not None:
@@ -446,7 +460,17 @@ class KVCacheManager:
         return True
 
     def new_step_starts(self) -> None:
+        self.owner_thread.check("KVCacheManager.new_step_starts")
         self.coordinator.new_step_starts()
+
+    def release_owner_thread(self) -> None:
+        """Hand the manager (and its pool) over: the next thread that changes it owns it.
+
+        Call it from the owner thread, before another thread takes over (an engine moving its
+        scheduler loop); a thread that owns nothing is refused (`ThreadOwnershipError`). Not
+        needed when the owner thread has ended: the next thread takes over then.
+        """
+        self.owner_thread.release()
 
     # ------------------------------------------------------------------ reads, stats and events
 
@@ -508,6 +532,7 @@ class KVCacheManager:
     def take_new_block_ids(self) -> list[int]:
         """Drain the ids of attention blocks allocated since the last call, for the worker to
         zero (recorded only with `KVCacheConfig.needs_kv_cache_zeroing`)."""
+        self.owner_thread.check("KVCacheManager.take_new_block_ids")
         return self.coordinator.take_new_block_ids()
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -577,6 +602,7 @@ class KVCacheManager:
         """Record the load of tokens `[num_computed_tokens, +num_tokens)` from the host tier
         into the request's blocks (call after `allocate_slots` took them as external tokens):
         the host entries become its most recently used (promotion keeps the host copy)."""
+        self.owner_thread.check("KVCacheManager.load_from_host")
         host = self.block_pool.host_tier
         if host is None or num_tokens == 0:
             return
@@ -630,4 +656,5 @@ class KVCacheManager:
                 f"a {num_tokens}-token prompt has {num_full_blocks} full blocks but "
                 f"{len(block_hashes)} block hashes"
             )
+        self.owner_thread.check("KVCacheManager.try_prefill_and_free")
         return manager.prefill_and_free(block_hashes, num_tokens)

@@ -6,6 +6,7 @@ may be cached and how to find a prefix hit. It draws blocks from the shared `Blo
 
 from __future__ import annotations
 
+from _thread import get_ident
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -247,6 +248,10 @@ class SingleTypeKVCacheManager:
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
+        # Before the table changes. Hot path: a window moves on the decode fast path too.
+        owner = self.block_pool.owner_thread
+        if get_ident() != owner.thread_id:
+            owner.check("remove_skipped_blocks")
         num_skipped_blocks = min(num_skipped_tokens // self.block_size, len(blocks))
         null_block = self._null_block
         removed = []

@@ -19,6 +19,7 @@ from pagedkv.errors import (
 from pagedkv.kv_cache_blocks import ComputedBlocks
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.managers import FullAttentionManager
+from pagedkv.owner_thread import OwnerThread
 from pagedkv.request import Request, RequestStatus
 from pagedkv.sched.checks import check_pool_holds_one_request, check_scheduler_state
 from pagedkv.sched.config import SchedulerConfig
@@ -100,11 +101,14 @@ class Scheduler:
         self._pending: SchedulerOutput | None = None
         self._kv_loads_started: list[tuple[str, int]] = []
         self._next_step_index = 0
+        # The one thread that may change the scheduler (docs/design.md, "Threads").
+        self.owner_thread = OwnerThread("this Scheduler", "release_owner_thread()")
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
         """Queue a new request; `request.max_tokens` is the output length to generate."""
+        self.owner_thread.check("Scheduler.add_request")
         if not isinstance(request, Request):
             raise InvalidTypeError(f"expected a pagedkv Request, got {type(request).__name__}")
         request_id = request.request_id
@@ -136,6 +140,7 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> bool:
         """Finish an unfinished request as aborted and free its blocks; False if unknown."""
+        self.owner_thread.check("Scheduler.abort_request")
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
@@ -161,6 +166,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch: running requests first, then admissions (none in a step
         that preempted). Every scheduled request holds slots for its new tokens on return."""
+        self.owner_thread.check("Scheduler.schedule")
         if self._pending is not None:
             raise RequestStateError(
                 f"schedule() called before update_from_output() of step {self._pending.step_index}"
@@ -369,6 +375,7 @@ class Scheduler:
     def complete_kv_loads(self, request_ids: Sequence[str]) -> None:
         """The host-tier loads of these requests are done: cache the loaded blocks and run
         them (their prefill continues from the loaded tokens in the next step)."""
+        self.owner_thread.check("Scheduler.complete_kv_loads")
         for request_id in request_ids:
             entry = self.loading.pop(request_id, None)
             if entry is None:
@@ -411,6 +418,7 @@ class Scheduler:
         Returns:
             The requests finished by this step, in batch order.
         """
+        self.owner_thread.check("Scheduler.update_from_output")
         if output is not self._pending:
             raise RequestStateError(f"step {output.step_index} is not the step awaiting its output")
         live = validate_sampled(output, sampled_token_ids, self.requests)
@@ -456,6 +464,12 @@ class Scheduler:
     # ------------------------------------------------------------------ checks
 
     # ------------------------------------------------------------------ checks
+
+    def release_owner_thread(self) -> None:
+        """Hand the scheduler and its manager over: the next thread that changes them owns
+        them. Call it from the owner thread (see `KVCacheManager.release_owner_thread`)."""
+        self.owner_thread.release()
+        self.kv_cache_manager.release_owner_thread()
 
     def check_invariants(self) -> None:
         """Check the queues, the last step's limits and the manager."""

@@ -8,6 +8,7 @@ what a job computes. Ray (extra `[ray]`) is imported only by `RayExecutor`.
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -140,7 +141,7 @@ class RayExecutor:
                 num_cpus=self.num_cpus if self.address is None else None,
                 include_dashboard=False,
                 log_to_driver=False,
-                logging_level="WARNING",
+                logging_level=logging.WARNING,
                 configure_logging=False,
             )
         pending: list[Any] = []

@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from pagedkv.bounded_read import InputTooLargeError, read_at_most
 from pagedkv.errors import ConfigError
 from pagedkv.specs import (
     ChunkedLocalAttentionSpec,
@@ -48,6 +49,8 @@ DEFAULT_DTYPE = "float32"
 MAX_NUM_LAYERS = 10_000
 SHIPPED_CONFIGS_PACKAGE = "pagedkv"
 _SHIPPED_CONFIGS_DIR = ("data", "configs")
+# A config.json is a few KB (DeepSeek-V3's: 1.7 KB); anything this long is not one.
+MAX_CONFIG_BYTES = 16 * 2**20
 
 
 def get_dtype_bytes(dtype: str) -> int:
@@ -479,14 +482,23 @@ def shipped_config_names() -> list[str]:
 
 
 def _read_config_text(config: str | os.PathLike[str]) -> tuple[str, str, str]:
-    """(text, source, name) of a config file, a model directory, or a shipped config name."""
+    """(text, source, name) of a config file, a model directory, or a shipped config name.
+
+    A path that exists is read as the config, whatever it is (a FIFO, `/dev/stdin`), within
+    `MAX_CONFIG_BYTES`; only a path that does not exist may be a shipped name.
+    """
     path = Path(config)
-    if path.is_dir() and (path / "config.json").is_file():
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{path}: a directory without a config.json file")
         path = path / "config.json"
-    if path.is_file():
+    if path.exists():
         name = path.parent.name if path.stem == "config" else path.stem
         try:
-            return path.read_text(encoding="utf-8"), str(path), name or path.stem
+            raw = read_at_most(path, MAX_CONFIG_BYTES, "a config.json")
+            return raw.decode("utf-8"), str(path), name or path.stem
+        except InputTooLargeError as exc:
+            raise ConfigError(str(exc)) from None
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: cannot read: {exc}") from exc
     shipped = shipped_config_names()
@@ -514,6 +526,9 @@ def load_model_description(
         parsed = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{source}: not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # a 5,000-digit int; 100,000 nested objects
+        problem = str(exc).split(";")[0]  # not the hint to raise Python's digit limit
+        raise ConfigError(f"{source}: not usable JSON ({problem})") from None
     return describe_model(
         parsed,
         source=source,

@@ -2,8 +2,8 @@
 
 `command` parses, checks and calls the simulator's modes; `args` defines the options, `checks`
 refuses bad ones before any work, `cluster`, `eviction` and `memory` hold their modes' options
-and calls, `progress` the progress bar and `interrupt` Ctrl-C. Reports and their rendering live
-in `pagedkv.sim.report`. Standard library only at import time.
+and calls, `progress` the progress bar (Ctrl-C, SIGTERM and SIGHUP: `pagedkv.cli._shutdown`).
+Reports and their rendering live in `pagedkv.sim.report`. Standard library only at import time.
 """
 
 from pagedkv.cli.simulate.command import COMMAND, HELP, SAMPLE_TRACE, add_arguments, run

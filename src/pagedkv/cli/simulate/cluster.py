@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from pagedkv.cli._checks import float_in, int_at_least, require_extra
-from pagedkv.cli.simulate.interrupt import StopOnCtrlC
+from pagedkv.cli._shutdown import StopOnSignal
 from pagedkv.router.policies import ROUTING_POLICY_NAMES
 
 # What one simulated instance holds open (measured: 3 descriptors with inproc, 7 with tcp):
@@ -151,8 +151,10 @@ def run(
     serve_config: Any,
     profile_name: str | None,
     make_progress: Any,
+    stop: StopOnSignal,
 ) -> int:
-    """Run the cluster simulation and print its report; 130 if Ctrl-C cut it short."""
+    """Run the cluster simulation and print its report; 128 + the signal if one (Ctrl-C,
+    SIGTERM, SIGHUP) cut it short."""
     from pagedkv.sim.cluster import ClusterConfig, simulate_cluster
     from pagedkv.sim.report import cluster_report, render_cluster_text
 
@@ -180,7 +182,7 @@ def run(
     progress = make_progress(len(trace.requests) * len(policies), "serving (cluster)")
     start = time.perf_counter()
     try:
-        with StopOnCtrlC() as stop:
+        with stop:
             summaries = simulate_cluster(trace, config, policies, metrics, _Offset(progress), stop)
     finally:
         progress.close()
@@ -215,7 +217,7 @@ def run(
     finally:
         if server is not None:
             server.shutdown()
-    return 130 if any(summary.get("interrupted") for summary in summaries) else 0
+    return stop.exit_code() if any(summary.get("interrupted") for summary in summaries) else 0
 
 
 def _check_redis(url: str) -> None:

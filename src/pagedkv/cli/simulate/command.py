@@ -12,9 +12,9 @@ import time
 import warnings
 from typing import Any
 
+from pagedkv.cli._shutdown import StopOnSignal
 from pagedkv.cli.simulate import checks, cluster, eviction, memory, sweep
 from pagedkv.cli.simulate.args import add_arguments, resolve_mode
-from pagedkv.cli.simulate.interrupt import StopOnCtrlC
 from pagedkv.cli.simulate.progress import Progress
 
 COMMAND = "simulate"
@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
     except PagedKVError as exc:
         print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise  # `pagedkv.cli.main`'s: quiet, exit 141
     except OSError as exc:
         print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -85,9 +87,12 @@ def _run(args: argparse.Namespace) -> int:
         return _sweep(args, cost_model, make_progress)
     trace = _load(args)
     checks.check_simulate_trace(args, trace)
+    # The first Ctrl-C (or SIGTERM, SIGHUP) ends a serve run early; the report shows what it
+    # measured and the exit code says which signal stopped it.
+    stop = StopOnSignal()
     if cluster.wanted(args):
         config, profile_name = _serve_config(args, cost_model)
-        return cluster.run(args, trace, config, profile_name, make_progress)
+        return cluster.run(args, trace, config, profile_name, make_progress, stop)
     plot = None
     if args.mode == "memory":
         the_report, speed = memory.run(
@@ -98,13 +103,13 @@ def _run(args: argparse.Namespace) -> int:
     elif args.mode == "replay":
         the_report, speed, plot = _replay(args, trace, show_progress)
     else:
-        the_report, speed, plot = _serve(args, trace, cost_model, show_progress)
+        the_report, speed, plot = _serve(args, trace, cost_model, show_progress, stop)
     _print(args, the_report, speed)
     if args.plot and plot is not None:
         plot(args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     interrupted = args.mode == "serve" and the_report["results"].get("interrupted", False)
-    return 130 if interrupted else 0
+    return stop.exit_code() if interrupted else 0
 
 
 def _print(args: argparse.Namespace, the_report: dict[str, Any], speed: Any) -> None:
@@ -239,7 +244,13 @@ def _max_workers(args: argparse.Namespace) -> int:
     return args.jobs
 
 
-def _serve(args: argparse.Namespace, trace: Any, cost_model: Any, show_progress: bool) -> tuple:
+def _serve(
+    args: argparse.Namespace,
+    trace: Any,
+    cost_model: Any,
+    show_progress: bool,
+    stop: StopOnSignal,
+) -> tuple:
     from pagedkv.sim.report import Speed, serve_report
     from pagedkv.sim.serve import simulate_serving
 
@@ -252,7 +263,7 @@ def _serve(args: argparse.Namespace, trace: Any, cost_model: Any, show_progress:
     progress = Progress(len(trace.requests), "serving", show_progress)
     start = time.perf_counter()
     try:
-        with StopOnCtrlC() as stop:  # Ctrl-C ends the run; the report shows what it measured
+        with stop:
             if options is None:
                 result = simulate_serving(trace, config, progress, stop)
             else:

@@ -35,12 +35,13 @@ class Progress:
             if now - self.start < PROGRESS_DELAY_S:
                 return
             try:
-                from rich.console import Console
                 from rich.progress import Progress
             except ImportError:
                 self.enabled = False
                 return
-            self.bar = Progress(console=Console(stderr=True), transient=True)
+            from pagedkv.sim.report.render import pipe_safe_console
+
+            self.bar = Progress(console=pipe_safe_console(stderr=True), transient=True)
             self.task = self.bar.add_task(self.label, total=self.total, completed=num_done)
             self.bar.start()
             return
@@ -48,5 +49,10 @@ class Progress:
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
+            bar, self.bar = self.bar, None
+            try:
+                bar.stop()
+            except Exception:  # noqa: BLE001 - see below
+                # A signal that ended the run inside rich's own start or refresh leaves the bar
+                # half set up, and its stop then fails; the run's own ending matters, not this.
+                pass

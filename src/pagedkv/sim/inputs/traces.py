@@ -7,15 +7,17 @@ Knows nothing of the scheduler or the manager.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
+import stat
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
+from pagedkv.bounded_read import LineTooLongError, iter_lines
 from pagedkv.errors import HostMemoryError, InvalidArgumentError
 from pagedkv.memory_guard import MemoryBudget, available_memory_bytes, format_bytes
 
@@ -359,9 +361,11 @@ def load_trace(path: str | Path, limit: int | None = None, name: str | None = No
 
     Reads the whole file (or its first `limit` requests) and validates every line before
     returning; raises `TraceFormatError` on the first bad line (not UTF-8 JSON, a bad field).
-    Memory is estimated line by line before it is spent: a line too long to parse, or a trace
-    whose requests would not fit, raises `HostMemoryError`. Unsorted timestamps are sorted
-    with a `TraceWarning`.
+    Memory is estimated line by line before it is spent, whatever `path` is (a file, a FIFO, a
+    device, stdin): a line too long to parse, or a trace whose requests would not fit, raises
+    `HostMemoryError` (having held at most that line's budget); blank lines in a row past that
+    budget raise `InputTooLargeError` (an endless stream of newlines). Unsorted timestamps are
+    sorted with a `TraceWarning`.
     """
     path = Path(path)
     if limit is not None and limit < 1:
@@ -375,32 +379,50 @@ def load_trace(path: str | Path, limit: int | None = None, name: str | None = No
         None if available_bytes is None else available_bytes // _PARSE_BYTES_PER_LINE_BYTE
     )
     with path.open("rb") as file:
-        lines: Iterable[bytes] = file
-        if max_line_bytes is not None and os.fstat(file.fileno()).st_size > max_line_bytes:
-            # Hot path: only a file bigger than a line may be cut into bounded reads.
-            lines = iter(functools.partial(file.readline, max_line_bytes + 1), b"")
-        for line_number, raw in enumerate(lines, start=1):
-            if max_line_bytes is not None and len(raw) > max_line_bytes:
-                raise _line_too_long(source, line_number, max_line_bytes, available_bytes)
-            text = _decode(source, line_number, raw)
-            if not text.strip():
-                continue
-            num_ids_before = len(parser.id_to_dense)
-            request = parser.parse(line_number, text)
-            requests.append(request)
-            budget.add(
-                _KEPT_BYTES_PER_REQUEST
-                + _KEPT_BYTES_PER_RUN * len(request.prompt_runs)
-                + _KEPT_BYTES_PER_TOKEN_ID * len(request.explicit_prompt or ())
-                + _KEPT_BYTES_PER_BLOCK_ID * (len(parser.id_to_dense) - num_ids_before),
-                line_number,
-            )
-            if limit is not None and len(requests) >= limit:
-                break
+        lines: Iterable[tuple[int, bytes]] = enumerate(file, start=1)
+        line_budget = _line_budget(file, max_line_bytes)
+        if line_budget is not None:
+            # Hot path: only an input that may hold a line past the budget is read in bounded
+            # chunks: a big file, or a stream (a FIFO, a device such as /dev/zero, stdin),
+            # whose size says nothing. It also bounds a run of blank lines.
+            lines = iter_lines(file, line_budget, source)
+        line_number = 0
+        try:
+            for line_number, raw in lines:
+                text = _decode(source, line_number, raw)
+                if not text.strip():
+                    continue
+                num_ids_before = len(parser.id_to_dense)
+                request = parser.parse(line_number, text)
+                requests.append(request)
+                budget.add(
+                    _KEPT_BYTES_PER_REQUEST
+                    + _KEPT_BYTES_PER_RUN * len(request.prompt_runs)
+                    + _KEPT_BYTES_PER_TOKEN_ID * len(request.explicit_prompt or ())
+                    + _KEPT_BYTES_PER_BLOCK_ID * (len(parser.id_to_dense) - num_ids_before),
+                    line_number,
+                )
+                if limit is not None and len(requests) >= limit:
+                    break
+        except LineTooLongError as exc:  # (a run of blank lines raises as it is)
+            raise _line_too_long(
+                source, exc.line_number or line_number + 1, exc.max_bytes, available_bytes
+            ) from None
     if not requests:
         raise TraceFormatError(source, 1, None, "the trace has no requests")
     ordered = assign_output_tokens(sort_by_arrival(requests, source), source)
     return Trace(name or path.name, ordered, source)
+
+
+def _line_budget(file: BinaryIO, max_line_bytes: int | None) -> int | None:
+    """The byte budget `file`'s lines are read under; None where none is known, or where no
+    line can pass it (a regular file no bigger than the budget)."""
+    if max_line_bytes is None:
+        return None
+    file_stat = os.fstat(file.fileno())
+    if stat.S_ISREG(file_stat.st_mode) and file_stat.st_size <= max_line_bytes:
+        return None
+    return max_line_bytes
 
 
 def _decode(source: str, line_number: int, raw: bytes) -> str:

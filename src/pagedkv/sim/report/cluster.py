@@ -78,7 +78,7 @@ def render_cluster_text(
             )
         if result.get("interrupted"):
             lines.append(
-                f"{result['router']}: INTERRUPTED (Ctrl-C) with "
+                f"{result['router']}: INTERRUPTED (Ctrl-C, SIGTERM or SIGHUP) with "
                 f"{result['num_requests_unfinished']:,} requests unfinished; its figures cover "
                 "what was measured until then, and the routers after it did not run"
             )

@@ -133,7 +133,7 @@ def eviction_rows(report: dict[str, Any], notes: list[tuple[str, str]]) -> tuple
 
 def plot_eviction(report: dict[str, Any], path: str | Path) -> None:
     """Hit rate against capacity, one line per policy (belady dashed: the upper bound)."""
-    from pagedkv.sim.report.plot import _pyplot
+    from pagedkv.sim.report.plot import _pyplot, save_figure
 
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(7, 4.5))
@@ -157,5 +157,5 @@ def plot_eviction(report: dict[str, Any], path: str | Path) -> None:
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
     plt.close(figure)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pagedkv.atomic_file import atomic_write
 from pagedkv.errors import MissingDependencyError
 from pagedkv.sim.serve import ServeResult
 
@@ -22,6 +23,14 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(figure: Any, path: str | Path) -> None:
+    """Write `figure` to `path`, in the format its extension names, whole or not at all: two
+    runs writing one path leave one run's plot, never a mix (`pagedkv.atomic_file`)."""
+    suffix = Path(path).suffix.lower().removeprefix(".")
+    with atomic_write(path) as file:
+        figure.savefig(file, format=suffix or None, dpi=120)
 
 
 def plot_replay(report: dict[str, Any], path: str | Path) -> None:
@@ -50,7 +59,7 @@ def plot_replay(report: dict[str, Any], path: str | Path) -> None:
     if unlimited:
         axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
     plt.close(figure)
 
 
@@ -71,7 +80,7 @@ def plot_serve(report: dict[str, Any], result: ServeResult, path: str | Path) ->
     queue_axes.grid(True, alpha=0.3)
     usage_axes.set_title(f"{report['trace']['name']}: serve ({report['config']['profile']})")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
     plt.close(figure)
 
 
@@ -104,5 +113,5 @@ def plot_memory(report: dict[str, Any], path: str | Path) -> None:
         fontsize=10,
     )
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
     plt.close(figure)

@@ -7,6 +7,8 @@ wall-clock speed travels separately (`Speed`) and is shown in the table only.
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 from typing import Any
 
@@ -119,11 +121,24 @@ def print_report(report: dict[str, Any], speed: Speed | None) -> None:
     """Print the report on stdout: with rich if installed (never wrapped when stdout is no
     terminal), else as plain text (ASCII sparklines unless stdout takes UTF-8)."""
     try:
-        from rich.console import Console
+        import rich  # noqa: F401 - is it there?
     except ImportError:
         encoding = (getattr(sys.stdout, "encoding", None) or "").lower()
         sys.stdout.write(render_text(report, speed, ascii_only="utf" not in encoding))
         return
     # Piped or redirected: no terminal width to fit, so never wrap (rich would assume 80).
     width = None if sys.stdout.isatty() else _UNWRAPPED_WIDTH
-    render_rich(report, speed, Console(width=width))
+    render_rich(report, speed, pipe_safe_console(width=width))
+
+
+def pipe_safe_console(**options: Any) -> Any:
+    """A rich `Console(**options)` whose broken pipe raises `BrokenPipeError`, as everywhere
+    else in the CLI (rich's own answer is `SystemExit(1)`; `pagedkv.cli.main` exits 141)."""
+    from rich.console import Console
+
+    class PipeSafeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+    return PipeSafeConsole(**options)

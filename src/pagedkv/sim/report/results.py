@@ -15,11 +15,11 @@ import csv
 import io
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pagedkv.atomic_file import atomic_write
 from pagedkv.errors import InvalidArgumentError
 
 COLUMNS = (
@@ -198,19 +198,6 @@ def _parquet_bytes(rows: list[Row], meta: dict[str, str]) -> bytes:
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder and a rename: a
-    reader sees the old file or the new one, never half of one."""
-    target = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=target.resolve().parent, prefix=f".{target.name}.")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(handle, 0o666 & ~umask)  # as a plain open() would (mkstemp gives 0600)
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    """Write `data` to `path` whole or not at all (`pagedkv.atomic_file`)."""
+    with atomic_write(path) as file:
+        file.write(data)

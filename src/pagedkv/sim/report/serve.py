@@ -118,8 +118,9 @@ def serve_rows(
         notes.append(
             (
                 "INTERRUPTED",
-                f"stopped (Ctrl-C) with {results['num_requests_unfinished']:,} requests "
-                "unfinished: every figure covers only what was measured until then",
+                f"stopped (Ctrl-C, SIGTERM or SIGHUP) with "
+                f"{results['num_requests_unfinished']:,} requests unfinished: every figure "
+                "covers only what was measured until then",
             )
         )
     notes.extend(
