@@ -1,15 +1,23 @@
-"""pytest plugin: run vLLM's own tests with pagedkv as the KV-cache manager of vLLM's Scheduler.
+"""pytest plugin: run vLLM's own tests with pagedkv as vLLM's KV-cache manager.
 
-Load it with `-p pagedkv.integrations.vllm.pytest_plugin`. It rebinds the manager class inside
-`vllm.v1.core.sched.scheduler` for the whole session and counts, per test, the schedulers built,
-the pagedkv managers built and the vLLM managers built, so a swap that silently did nothing
-shows: each count becomes a junit `property`, and `--pagedkv-report PATH` writes them all as
-JSON (`{nodeid: {"schedulers": n, "pagedkv_managers": n, "vllm_managers": n}}`).
+Load it with `-p pagedkv.integrations.vllm.pytest_plugin`. At `pytest_configure`, before any
+test module is imported, it rebinds `vllm.v1.core.kv_cache_manager.KVCacheManager` to a
+counting subclass of `PagedKVCacheManager`, so every later `from vllm.v1.core.kv_cache_manager
+import KVCacheManager` (vLLM's test modules', vLLM's scheduler's) binds pagedkv's class, and
+sweeps the modules already imported (vLLM's scheduler, the conftests) for globals holding
+vLLM's class; a second sweep runs when collection ends. It counts, per test, the schedulers,
+pagedkv managers and vLLM managers built, so a swap that silently did nothing shows: each
+count becomes a junit `property`, and `--pagedkv-report PATH` writes them all as JSON
+(`{nodeid: {"schedulers": n, "pagedkv_managers": n, "vllm_managers": n}}`).
+
+`--pagedkv-manager vllm` only counts (vLLM's manager stays): the baseline run of
+.ci/vllm-suites uses it to learn which tests build a manager at all.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Generator
 from typing import Any
 
@@ -17,6 +25,10 @@ import pytest
 
 COUNTS = {"schedulers": 0, "pagedkv_managers": 0, "vllm_managers": 0}
 _REPORT: dict[str, dict[str, int]] = {}
+# "module.attribute" names whose vLLM manager class was replaced by pagedkv's: at configure
+# time, and by the sweep after collection.
+REBOUND: list[str] = []
+REBOUND_AFTER_COLLECTION: list[str] = []
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -25,6 +37,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="PATH",
         help="write the per-test counts of schedulers and KV-cache managers built as JSON",
+    )
+    parser.addoption(
+        "--pagedkv-manager",
+        default="pagedkv",
+        choices=("pagedkv", "vllm"),
+        help="the KV-cache manager vLLM builds: pagedkv's (default) or vLLM's own (count only)",
     )
 
 
@@ -39,9 +57,35 @@ def _counting(klass: type, key: str) -> None:
     setattr(klass, "__init__", __init__)  # noqa: B010
 
 
+def _rebind_everywhere(original: type, replacement: type) -> list[str]:
+    """Point every module global that is `original` at `replacement`; the names rebound.
+
+    This module's own globals are skipped (`_SWAP` keeps both classes).
+    """
+    rebound = []
+    for module_name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict) or module_name == __name__:
+            continue
+        for attribute, value in list(namespace.items()):
+            if value is original:
+                namespace[attribute] = replacement
+                rebound.append(f"{module_name}.{attribute}")
+    return rebound
+
+
+# (vLLM's manager class, the counting pagedkv class) once swapped.
+_SWAP: list[type] = []
+
+
 def pytest_configure(config: pytest.Config) -> None:
     from vllm.v1.core import kv_cache_manager as vllm_manager
     from vllm.v1.core.sched import scheduler as vllm_scheduler
+
+    _counting(vllm_scheduler.Scheduler, "schedulers")
+    _counting(vllm_manager.KVCacheManager, "vllm_managers")
+    if config.getoption("--pagedkv-manager") == "vllm":
+        return
 
     from pagedkv.integrations.vllm.manager import PagedKVCacheManager
 
@@ -50,10 +94,18 @@ def pytest_configure(config: pytest.Config) -> None:
             COUNTS["pagedkv_managers"] += 1
             super().__init__(*args, **kwargs)
 
-    _counting(vllm_scheduler.Scheduler, "schedulers")
-    _counting(vllm_manager.KVCacheManager, "vllm_managers")
-    # As in scheduler.py: vLLM types the global as its own manager class.
-    vllm_scheduler.KVCacheManager = CountedPagedKVCacheManager  # type: ignore[assignment, misc, unused-ignore]
+    _SWAP[:] = [vllm_manager.KVCacheManager, CountedPagedKVCacheManager]
+    # vllm.v1.core.kv_cache_manager's own global among them: test modules imported later bind
+    # ours.
+    REBOUND.extend(_rebind_everywhere(*_SWAP))
+    if f"{vllm_manager.__name__}.KVCacheManager" not in REBOUND:
+        raise pytest.UsageError("pagedkv: vLLM's KVCacheManager class was not found to rebind")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Anything imported during collection that kept vLLM's class by another path.
+    if _SWAP:
+        REBOUND_AFTER_COLLECTION.extend(_rebind_everywhere(*_SWAP))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -82,4 +134,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return "pagedkv: vLLM's Scheduler builds pagedkv.integrations.vllm.PagedKVCacheManager"
+    if config.getoption("--pagedkv-manager") == "vllm":
+        return "pagedkv: counting vLLM's KV-cache managers (vLLM's manager, not swapped)"
+    return (
+        "pagedkv: vLLM's KVCacheManager is pagedkv.integrations.vllm.PagedKVCacheManager "
+        f"(rebound: {', '.join(REBOUND)})"
+    )
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if REBOUND_AFTER_COLLECTION:
+        terminalreporter.write_line(
+            f"pagedkv: rebound after collection: {', '.join(REBOUND_AFTER_COLLECTION)}"
+        )
