@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedkv.credentials import redact
+
 COMMAND = "router"
 HELP = "KV-aware routing: serve the router over HTTP, fed by instances' KV events."
 
@@ -64,10 +66,10 @@ def run(args: argparse.Namespace) -> int:
 
         serve(config)
     except PagedKVError as exc:
-        print(f"pagedkv router serve: error: {exc}", file=sys.stderr)
+        print(f"pagedkv router serve: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except OSError as exc:  # the port is taken, an endpoint cannot be bound
-        print(f"pagedkv router serve: error: {exc}", file=sys.stderr)
+        print(f"pagedkv router serve: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # SIGHUP (the service stops on SIGINT/SIGTERM itself)
         from pagedkv.cli._shutdown import exit_code
