@@ -30,6 +30,7 @@ from pagedkv.integrations.vllm.requests import VIEW_ATTRIBUTE, existing_view, sy
 from pagedkv.integrations.vllm.views import BlockPoolView, CoordinatorView
 from pagedkv.kv_cache_blocks import ComputedBlocks, KVCacheBlocks
 from pagedkv.kv_cache_manager import KVCacheManager, annotate_block_stored
+from pagedkv.request import Request as PagedKVRequest
 from pagedkv.request import RequestStatus
 
 
@@ -250,10 +251,10 @@ class PagedKVCacheManager:
         # (`KVCacheManager.allocate_slots`), which gives the same result; the view is synced
         # as `sync_view` does (the status is RUNNING, no new multimodal item).
         allocator = self._running_allocator
-        view = request.__dict__.get(VIEW_ATTRIBUTE)
+        view: PagedKVRequest | None = request.__dict__.get(VIEW_ATTRIBUTE)
         if (
-            allocator is not None
-            and view is not None
+            view is not None
+            and allocator is not None
             and request.status is VllmStatus.RUNNING
             and new_computed_blocks is None
             and not (
