@@ -296,6 +296,7 @@ class ServeRun:
             block_hasher=self.hasher,
             priority=trace_request.priority,
             arrival_time=arrival_s,
+            session_id=trace_request.session_id,
         )
 
     def add_request(self, request: Request, trace_request: TraceRequest, arrival_s: float) -> None:
