@@ -5,7 +5,7 @@ for writers: docs/contributing.md).
   its output as `#> ` lines, which must equal what it printed (`pytest tests/docs
   --update-examples` rewrites them).
 - `bash` / `sh` blocks run as one `bash -euo pipefail` script; their `#> ` lines are the
-  expected output of the whole block (stdout and stderr together), `...` matching anything.
+  expected stdout of the whole block (`2>&1` shows an error), `...` matching anything.
 - `console`, `text`, a bare fence and data formats (`toml`, `json`, ...) are shown, never run.
 - A `python` or `bash` block whose first line is `# not run: REASON` is skipped with that reason.
 
@@ -165,16 +165,17 @@ def test_shell_block(block: Block, clone_view: Path):
         cwd=clone_view,
         env=block_env(),
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        capture_output=True,
         text=True,
         timeout=SHELL_TIMEOUT_S,
     )
-    assert result.returncode == 0, f"{block.name} exited {result.returncode}:\n{result.stdout}"
+    assert result.returncode == 0, (
+        f"{block.name} exited {result.returncode}:\n{result.stdout}{result.stderr}"
+    )
     if expected is not None:
         assert output_matches(expected, result.stdout), (
             f"{block.name}: the output differs from the block's `#> ` lines.\n"
-            f"--- shown\n{expected}--- printed\n{result.stdout}"
+            f"--- shown\n{expected}--- printed\n{result.stdout}--- stderr\n{result.stderr}"
         )
 
 

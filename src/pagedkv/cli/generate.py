@@ -123,7 +123,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def _import_extras():
-    from pagedkv.errors import MissingDependencyError
+    from pagedkv.errors import MissingDependencyError, install_hint
 
     try:
         import torch
@@ -131,7 +131,7 @@ def _import_extras():
     except ImportError as exc:
         raise MissingDependencyError(
             f"`pagedkv generate` needs PyTorch and transformers ({exc}): "
-            "install the [torch] extra, pip install 'pagedkv[torch]'"
+            f"install the [torch] extra, {install_hint('torch')}"
         ) from exc
     return torch
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagedkv.block import to_external_hash
-from pagedkv.errors import InvalidArgumentError, MissingDependencyError, PagedKVError
+from pagedkv.errors import InvalidArgumentError, MissingDependencyError, PagedKVError, install_hint
 from pagedkv.hashing import make_request_block_hasher
 from pagedkv.request import Request
 from pagedkv.router.feeds import EventFeeds
@@ -32,7 +32,7 @@ try:
     from aiohttp.http_exceptions import HttpProcessingError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(
-        "The router service needs aiohttp: pip install 'pagedkv[router]'"
+        f"The router service needs aiohttp: {install_hint('router')}"
     ) from exc
 
 logger = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ def _load_tokenizer(path: str) -> Any:
         from transformers import AutoTokenizer
     except ImportError as exc:
         raise MissingDependencyError(
-            "--tokenizer needs transformers: pip install 'pagedkv[torch]'"
+            f"--tokenizer needs transformers: {install_hint('torch')}"
         ) from exc
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)

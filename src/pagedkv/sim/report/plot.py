@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.atomic_file import atomic_write
-from pagedkv.errors import MissingDependencyError
+from pagedkv.errors import MissingDependencyError, install_hint
 from pagedkv.sim.serve import ServeResult
 
 
@@ -18,7 +18,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as exc:
-        raise MissingDependencyError("--plot needs matplotlib: pip install 'pagedkv[sim]'") from exc
+        raise MissingDependencyError(f"--plot needs matplotlib: {install_hint('sim')}") from exc
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 
