@@ -155,14 +155,15 @@ def test_session_stats_count_continuations_per_class_and_gaps():
     assert stats.note_arrival(first) == 0
     assert stats.note_arrival(first) == 0  # again (preempted): not a new turn
     klass = stats.class_of(first)
-    assert klass == 0  # turn 0, < 2k prompt tokens, < 64 output tokens
+    assert klass == 0  # turn 0, < 512 prompt tokens, < 64 output tokens
     assert stats.note_finished(first) == 0.5  # nothing seen yet: the prior
     clock.now_s = 30.0
     second = _Seen("a1", "a", 3000, 3300)
     assert stats.note_arrival(second) == 1
     assert stats.num_continued[0] == stats.num_finished[0] == 1
     assert stats.gap_counts[gap_bin(30.0)] == 1 and stats.num_gaps == 1
-    assert stats.class_of(second) == (1 * NUM_LENGTH_CLASSES + 1) * NUM_OUTPUT_CLASSES + 2
+    # Turn 1, 3000 prompt tokens (< 4k: length class 3), 300 output tokens (< 1k: class 2).
+    assert stats.class_of(second) == (1 * NUM_LENGTH_CLASSES + 3) * NUM_OUTPUT_CLASSES + 2
     lone = _Seen("b0", None, 100, 110)
     assert stats.note_arrival(lone) == 0
     stats.note_finished(lone)

@@ -67,6 +67,16 @@ class ContinuationPolicy(LFUPolicy):
     def end_free(self) -> None:
         self._free_value = self._default_value
 
+    def _note_cached_range(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        start: int,
+        end: int,
+        block_size: int,
+        skipped_ids: set[int] | None,
+    ) -> None:
+        """Hot path: access counts are not this policy's value; nothing to record."""
+
     def _value(self, block: KVCacheBlock) -> int:
         return self._free_value
 

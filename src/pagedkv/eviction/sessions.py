@@ -17,11 +17,13 @@ from typing import Protocol
 MAX_TRACKED_SESSIONS = 1 << 16
 """Sessions remembered at once; the least recently seen is forgotten beyond this."""
 NUM_TURN_CLASSES = 4  # turn 0, 1, 2, 3 and later
-NUM_LENGTH_CLASSES = 4  # < 2k, < 8k, < 32k, longer (prompt tokens)
-NUM_OUTPUT_CLASSES = 4  # < 64, < 256, < 1024, longer (generated tokens)
+NUM_LENGTH_CLASSES = 8  # prompt tokens: < 512, < 1k, < 2k, ... < 32k, longer
+NUM_OUTPUT_CLASSES = 4  # generated tokens: < 64, < 256, < 1024, longer
 NUM_CLASSES = NUM_TURN_CLASSES * NUM_LENGTH_CLASSES * NUM_OUTPUT_CLASSES
+NUM_PROMPT_CLASSES = NUM_TURN_CLASSES * NUM_LENGTH_CLASSES  # the class without the output
 MIN_CLASS_SAMPLES = 16
-"""A class with fewer finished turns falls back to its turn class's estimate."""
+"""A class with fewer finished turns falls back to its (turn, prompt length) class, and that
+to its turn class."""
 PRIOR_PROBABILITY = 0.5
 PRIOR_WEIGHT = 2.0
 NUM_GAP_BINS = 48
@@ -37,14 +39,14 @@ class SessionRequest(Protocol):
     num_tokens: int
 
 
-def _length_class(num_tokens: int, first: int) -> int:
-    """0..3 by factors of 4 from `first` tokens."""
+def _length_class(num_tokens: int, first: int, factor: int, num_classes: int) -> int:
+    """0 .. num_classes - 1: below `first` tokens, then by factors of `factor`."""
     bound = first
-    for klass in range(3):
+    for klass in range(num_classes - 1):
         if num_tokens < bound:
             return klass
-        bound *= 4
-    return 3
+        bound *= factor
+    return num_classes - 1
 
 
 _GAP_EDGES = [2.0 ** (index / 2) for index in range(NUM_GAP_BINS - 1)]
@@ -71,6 +73,8 @@ class SessionStats:
         self.max_sessions = max_sessions
         self.num_finished = [0] * NUM_CLASSES
         self.num_continued = [0] * NUM_CLASSES
+        self.num_prompt_finished = [0] * NUM_PROMPT_CLASSES
+        self.num_prompt_continued = [0] * NUM_PROMPT_CLASSES
         self.num_turn_finished = [0] * NUM_TURN_CLASSES
         self.num_turn_continued = [0] * NUM_TURN_CLASSES
         self.gap_counts = [0] * NUM_GAP_BINS
@@ -104,6 +108,7 @@ class SessionStats:
             klass = entry[1]
             if klass >= 0:
                 self.num_continued[klass] += 1
+                self.num_prompt_continued[klass // NUM_OUTPUT_CLASSES] += 1
                 self.num_turn_continued[klass // (NUM_LENGTH_CLASSES * NUM_OUTPUT_CLASSES)] += 1
                 gap_s = self.clock() - entry[2]
                 self.gap_counts[gap_bin(gap_s if gap_s > 0.0 else 0.0)] += 1
@@ -120,8 +125,8 @@ class SessionStats:
         if turn >= NUM_TURN_CLASSES:
             turn = NUM_TURN_CLASSES - 1
         num_prompt = request.num_prompt_tokens
-        length = _length_class(num_prompt, 2048)
-        output = _length_class(request.num_tokens - num_prompt, 64)
+        length = _length_class(num_prompt, 512, 2, NUM_LENGTH_CLASSES)
+        output = _length_class(request.num_tokens - num_prompt, 64, 4, NUM_OUTPUT_CLASSES)
         return (turn * NUM_LENGTH_CLASSES + length) * NUM_OUTPUT_CLASSES + output
 
     def note_finished(self, request: SessionRequest) -> float:
@@ -130,6 +135,7 @@ class SessionStats:
         probability = self.probability(klass)
         self._turn_of.pop(request.request_id, None)
         self.num_finished[klass] += 1
+        self.num_prompt_finished[klass // NUM_OUTPUT_CLASSES] += 1
         self.num_turn_finished[klass // (NUM_LENGTH_CLASSES * NUM_OUTPUT_CLASSES)] += 1
         session_id = request.session_id
         if session_id is not None:
@@ -140,10 +146,16 @@ class SessionStats:
         return probability
 
     def probability(self, klass: int) -> float:
-        """P(continued | class), smoothed, with the turn class's estimate for sparse classes."""
+        """P(continued | class), smoothed; a sparse class backs off (`MIN_CLASS_SAMPLES`)."""
         num_finished = self.num_finished[klass]
         if num_finished >= MIN_CLASS_SAMPLES:
             return (self.num_continued[klass] + PRIOR_PROBABILITY * PRIOR_WEIGHT) / (
+                num_finished + PRIOR_WEIGHT
+            )
+        prompt = klass // NUM_OUTPUT_CLASSES
+        num_finished = self.num_prompt_finished[prompt]
+        if num_finished >= MIN_CLASS_SAMPLES:
+            return (self.num_prompt_continued[prompt] + PRIOR_PROBABILITY * PRIOR_WEIGHT) / (
                 num_finished + PRIOR_WEIGHT
             )
         turn = klass // (NUM_LENGTH_CLASSES * NUM_OUTPUT_CLASSES)
