@@ -38,8 +38,8 @@ test-pagedkv: lint $(VENV)/.pagedkv-dev
 	PAGEDKV_REQUIRE_TEST_DEPS=1 PAGEDKV_REQUIRE_REDIS=1 $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.pagedkv-dev
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests examples
 	$(VENV)/bin/mypy
 
 $(VENV)/.pagedkv-%: pyproject.toml scripts/setup.sh

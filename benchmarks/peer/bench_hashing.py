@@ -46,7 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 clock = time.perf_counter  # --clock cpu: time.thread_time (steadier on a busy machine)
 REPO = HERE.parent.parent
-DEFAULT_VLLM_PYTHON = os.environ.get("PEER_PYTHON", "/work/.peer-venv/bin/python")
+DEFAULT_VLLM_PYTHON = os.environ.get("PEER_PYTHON", str(REPO / ".peer-venv" / "bin" / "python"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

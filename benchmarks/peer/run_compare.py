@@ -9,7 +9,7 @@ preemptions, admission failures, peak usage, calls per method) are identical, wh
 proves it. Medians over --reps repetitions go into the table and into a JSON file under
 benchmarks/results/.
 
-  python benchmarks/peer/run_compare.py --vllm-python /work/.peer-venv/bin/python
+  python benchmarks/peer/run_compare.py --vllm-python .peer-venv/bin/python
 
 The issue-12 workloads (chat, gemma3, long32k, churn: `--workloads scenarios`) run through
 scenario_driver.py, one loop with a pagedkv and a vLLM adapter; for them the runner also
@@ -36,7 +36,7 @@ PAGEDKV_DRIVER = HERE / "pagedkv_driver.py"
 CPU_CLOCK = HERE / "cpu_clock.py"
 VLLM_DRIVER = HERE / "vllm" / "vllm_kv_driver.py"
 SCENARIO_DRIVER = HERE / "scenario_driver.py"
-DEFAULT_VLLM_PYTHON = os.environ.get("PEER_PYTHON", "/work/.peer-venv/bin/python")
+DEFAULT_VLLM_PYTHON = os.environ.get("PEER_PYTHON", str(REPO / ".peer-venv" / "bin" / "python"))
 
 COMMON = [
     "--requests",

@@ -132,3 +132,8 @@ def check_plot_file(path_text: str) -> Path:
     from matplotlib.backend_bases import FigureCanvasBase
 
     return check_output_file("--plot", path_text, FigureCanvasBase.get_supported_filetypes())
+
+
+def examples_epilog(*commands: str) -> str:
+    """The "examples:" block at the end of a command's --help (shown as written)."""
+    return "examples:\n" + "\n".join(f"  {command}" for command in commands)

@@ -83,8 +83,10 @@ class RouterService:
 
     def describe(self) -> str:
         config = self.config
+        num = len(config.instances)
+        instances = f"{num} instance{'s' if num != 1 else ''}"
         return (
-            f"pagedkv router: {len(config.instances)} instances, index {config.index}, policy "
+            f"pagedkv router: {instances}, index {config.index}, policy "
             f"{config.policy}; prompts hashed with {config.hash_algorithm} at block size "
             f"{config.block_size} (instances must cache with the same algorithm and block size)"
         )

@@ -17,8 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     choice.add_argument(
         "--trace",
         metavar="PATH",
-        help="JSONL trace (Mooncake, token ids or lengths); default: the "
-        "shipped Mooncake conversation sample (1,000 requests); a comma list is a sweep",
+        help="JSONL trace (Mooncake, token ids or lengths); a comma list is a sweep (default "
+        "the shipped Mooncake conversation sample, 1,000 requests)",
     )
     choice.add_argument(
         "--workload",
@@ -68,14 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help="KV capacity: blocks (1000, 20k, 1M) or tokens (4Mtok); replay "
         "takes a comma-separated sweep and 'unlimited', the memory study a list of sizes; "
-        "serve takes one value (default: what the profile's GPU memory holds)",
+        "serve takes one value (default what the profile's GPU memory holds)",
     )
     sim.add_argument(
         "--model",
         metavar="NAME_OR_CONFIG",
         help="take the KV-cache groups (full, sliding window, chunked local, Mamba...) and "
         "num_blocks from this model (a shipped name such as gemma-3-12b-it, a config.json or "
-        "a model directory) sized for --memory; default: one synthetic full-attention group",
+        "a model directory) sized for --memory (default one synthetic full-attention group)",
     )
     sim.add_argument(
         "--memory",
@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="worker processes for a replay sweep, a memory study or a grid's cells, or the "
-        "CPUs of the local Ray that --executor ray starts (default: one per core; 1: in this "
+        "CPUs of the local Ray that --executor ray starts (default one per core; 1: in this "
         "process)",
     )
 
@@ -133,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=int_at_least(1),
         metavar="TOKENS",
-        help="longest request (default: the profile's, capped by capacity)",
+        help="longest request (default the profile's, capped by capacity)",
     )
     serve.add_argument(
         "--max-num-batched-tokens",

@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ray-address",
         metavar="ADDR",
-        help="with --executor ray: the cluster to join (ray://host:10001, auto); default: "
-        "start a local Ray with --jobs CPUs",
+        help="with --executor ray: the cluster to join (ray://host:10001, auto) (default "
+        "a local Ray with --jobs CPUs)",
     )
     group.add_argument(
         "--scheduler",
