@@ -186,3 +186,31 @@ def test_no_argument_run_is_the_memory_study(capsys, tmp_path, monkeypatch):
         assert needle in out
     if (tmp_path / "pagedkv-memory.png").exists():
         assert "plot pagedkv-memory.png" in out and "wrote pagedkv-memory.png" in err
+
+
+def test_the_plot_shows_hit_rate_from_zero_ttft_counts_and_the_answer(capsys):
+    pytest.importorskip("matplotlib")
+    from pagedkv.sim.report.plot import _pyplot, memory_figure
+
+    code, out, _ = run_cli(capsys, "--trace", str(TRACE), "--num-requests", "20", "--json")
+    assert code == 0
+    report = json.loads(out)
+    results = report["results"]
+    plt = _pyplot()
+    figure = memory_figure(report, plt)
+    try:
+        hit_axes, ttft_axes, count_axes = figure.axes
+        assert hit_axes.get_ylim()[0] == 0 and ttft_axes.get_ylim()[0] == 0  # honest axes
+        hit_line = hit_axes.get_lines()[0]
+        assert list(hit_line.get_ydata()) == [100 * r["hit_rate"] for r in results]
+        assert [line.get_label() for line in ttft_axes.get_lines()][:2] == ["TTFT p50", "TTFT p90"]
+        heights = [round(patch.get_height()) for patch in count_axes.patches]
+        preempted = [r["num_preemptions"] for r in results]
+        rejected = [r["num_requests_rejected"] for r in results]
+        assert heights == preempted + rejected
+        answer = next(r for r in results if r["num_blocks"] == report["needs_num_blocks"])
+        for axes in figure.axes:
+            marks = [line for line in axes.get_lines() if line.get_label() == "answer"]
+            assert [line.get_xdata()[0] for line in marks] == [answer["kv_memory_bytes"] / 2**30]
+    finally:
+        plt.close(figure)
