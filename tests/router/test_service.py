@@ -324,10 +324,15 @@ def test_ipv6_endpoints_and_ready_only_once_every_instance_connected(tmp_path):
 def test_bad_requests_and_bad_configuration_are_clear(tmp_path, publishers):
     service = Service(tmp_path, publishers[:1])
     try:
-        assert service.call("/score", {"tokens": [1]}) == (
+        assert service.call("/score", {"instances": ["p0"]}) == (
             400,
-            {"error": "the body needs 'token_ids' (a list of ints) or 'text'"},
+            {
+                "error": "the body needs 'token_ids' (a list of ints) or 'text'",
+                "field": "token_ids",
+            },
         )
+        status, answer = service.call("/release", {"instance": ["p0"]})  # the 500
+        assert (status, answer["field"]) == (400, "instance")
         status, answer = service.call("/score", {"text": "hello"})
         assert status == 400 and "--tokenizer" in answer["error"]
         status, answer = service.call("/route", {"token_ids": [1, 2], "policy": "random"})

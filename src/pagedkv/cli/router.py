@@ -6,14 +6,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedkv.cli._checks import examples_epilog
+
 COMMAND = "router"
 HELP = "KV-aware routing: serve the router over HTTP, fed by instances' KV events."
+EXAMPLES = (
+    "pagedkv router serve --instance-format vllm --hash-algorithm sha256_cbor \\\n"
+    "      --instance gpu0=tcp://gpu0-host:5557,tcp://gpu0-host:5558 --port 8000",
+    "pagedkv router serve --config router.toml",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="router_command", metavar="SUBCOMMAND")
     serve = sub.add_parser(
         "serve",
+        epilog=examples_epilog(*EXAMPLES),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="subscribe to N instances' event streams and answer /score, /route, /health, "
         "/ready, /metrics (docs/router.md)",
     )
@@ -24,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="ID=ENDPOINT[,REPLAY[,HEALTH_URL]]",
         help="an instance, its KV event endpoints and optionally its health URL (repeat; e.g. "
-        "gpu0=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558,http://10.0.0.1:8000/health; IPv6: "
+        "gpu0=tcp://gpu0-host:5557,tcp://gpu0-host:5558,http://gpu0-host:8000/health; IPv6: "
         "tcp://[::1]:5557)",
     )
     serve.add_argument(

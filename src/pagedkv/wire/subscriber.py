@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.errors import InvalidArgumentError, MissingDependencyError
+from pagedkv.errors import InvalidArgumentError, MissingDependencyError, install_hint
 from pagedkv.events import AllBlocksCleared, KVCacheEvent
 from pagedkv.wire.codec import EventBatch, EventDecoder, WireFormatError
 from pagedkv.wire.endpoints import (
@@ -24,7 +24,7 @@ try:
     import zmq
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(
-        "KV events over ZeroMQ need pyzmq: pip install 'pagedkv[events]'"
+        f"KV events over ZeroMQ need pyzmq: {install_hint('events')}"
     ) from exc
 
 logger = logging.getLogger(__name__)

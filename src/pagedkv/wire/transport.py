@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, overload
 
-from pagedkv.errors import InvalidArgumentError, MissingDependencyError
+from pagedkv.errors import InvalidArgumentError, MissingDependencyError, install_hint
 from pagedkv.events import KVCacheEvent
 from pagedkv.wire.codec import EventBatch, EventEncoder
 from pagedkv.wire.endpoints import wants_ipv6
@@ -43,7 +43,7 @@ try:
     import zmq
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(
-        "KV events over ZeroMQ need pyzmq: pip install 'pagedkv[events]'"
+        f"KV events over ZeroMQ need pyzmq: {install_hint('events')}"
     ) from exc
 
 logger = logging.getLogger(__name__)

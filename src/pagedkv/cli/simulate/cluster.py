@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--router",
         choices=(*ROUTING_POLICY_NAMES, "all"),
-        help="routing policy; 'all' runs each and compares them (default: all, or "
+        help="routing policy; 'all' runs each and compares them (default all, or "
         "round-robin for one instance)",
     )
     group.add_argument(
