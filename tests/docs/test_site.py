@@ -13,12 +13,10 @@ import pytest
 
 from tests.support.paths import REPO_DIR, SRC_DIR
 
-pytest.importorskip("mkdocs")
-pytest.importorskip("material")
-pytest.importorskip("mkdocstrings_handlers.python")
-
 
 def build(config: Path, site_dir: Path) -> subprocess.CompletedProcess[str]:
+    for module in ("mkdocs", "material", "mkdocstrings_handlers.python"):  # the [docs] extra
+        pytest.importorskip(module)
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(SRC_DIR)}
     return subprocess.run(
         [
@@ -60,3 +58,12 @@ def test_a_broken_link_fails_the_build(tmp_path):
     result = build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert result.returncode == 1
     assert "does not contain an anchor '#no-such-section'" in result.stderr
+
+
+def test_the_readme_and_the_docs_index_list_every_doc():
+    readme = (REPO_DIR / "README.md").read_text(encoding="utf-8")
+    index = (REPO_DIR / "docs" / "index.md").read_text(encoding="utf-8")
+    for path in sorted((REPO_DIR / "docs").glob("*.md")):
+        if path.name != "index.md":
+            assert f"(docs/{path.name})" in readme, f"README.md's Documentation misses {path.name}"
+            assert f"({path.name})" in index, f"docs/index.md misses {path.name}"
