@@ -46,6 +46,7 @@ def test_defaults_are_written_one_way(words):
     for action in parser._actions:
         text = action.help or ""
         assert "default:" not in text and "defaults to" not in text, (action.dest, text)
+        assert "(default)" not in text and "; default " not in text, (action.dest, text)
 
 
 def test_size_takes_model_like_simulate_and_generate(capsys):
