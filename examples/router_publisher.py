@@ -1,6 +1,6 @@
 """Two engines publish their KV events over ZeroMQ; a router subscribes to both, keeps a prefix
 index fed only by those events, and sends a request to the engine that caches its prefix
-(docs/events.md). Everything runs in this process, on loopback ports.
+(docs/events.md). Everything runs in this process, on free loopback ports.
 
     python examples/router_publisher.py
 
@@ -22,10 +22,7 @@ from pagedkv.wire.subscriber import ZmqEventSubscriber
 from pagedkv.wire.transport import ZmqEventPublisher
 
 BLOCK_SIZE = 16
-ENGINES = {  # id: (PUB endpoint, replay endpoint); each engine binds its own
-    "engine-0": ("tcp://127.0.0.1:55561", "tcp://127.0.0.1:55562"),
-    "engine-1": ("tcp://127.0.0.1:55563", "tcp://127.0.0.1:55564"),
-}
+ENGINES = ("engine-0", "engine-1")
 
 
 def make_manager() -> KVCacheManager:
@@ -37,13 +34,17 @@ def make_manager() -> KVCacheManager:
 def main() -> None:
     hasher = make_request_block_hasher(hash_block_size=BLOCK_SIZE)
     managers = {engine_id: make_manager() for engine_id in ENGINES}
+    # Each engine binds a PUB and a replay socket (free loopback ports here: `*`); the router
+    # connects to the addresses they got.
     publishers = {
-        engine_id: ZmqEventPublisher(pub, replay, topic="kv", bind=True)
-        for engine_id, (pub, replay) in ENGINES.items()
+        engine_id: ZmqEventPublisher(
+            "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv", bind=True
+        )
+        for engine_id in ENGINES
     }
     subscribers = {
-        engine_id: ZmqEventSubscriber(pub, replay, topic="kv")
-        for engine_id, (pub, replay) in ENGINES.items()
+        engine_id: ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, topic="kv")
+        for engine_id, pub in publishers.items()
     }
     router = Router(list(ENGINES))
     try:

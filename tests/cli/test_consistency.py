@@ -46,6 +46,7 @@ def test_defaults_are_written_one_way(words):
     for action in parser._actions:
         text = action.help or ""
         assert "default:" not in text and "defaults to" not in text, (action.dest, text)
+        assert "(default)" not in text and "; default " not in text, (action.dest, text)
 
 
 def test_size_takes_model_like_simulate_and_generate(capsys):
@@ -71,3 +72,14 @@ def test_generate_refuses_an_unknown_dtype_in_one_line(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--dtype: invalid choice: 'int3'" in err
+
+
+def test_routing_options_have_one_name_in_simulate_and_router_serve():
+    parse = build_parser().parse_args
+    simulate = parse(["simulate", "--routing-policy", "prefix-aware", "--max-load-gap", "2"])
+    old = parse(["simulate", "--router", "prefix-aware", "--router-max-load-gap", "2"])
+    assert (simulate.router, simulate.router_max_load_gap) == (old.router, old.router_max_load_gap)
+    assert (simulate.router, simulate.router_max_load_gap) == ("prefix-aware", 2.0)
+    serve = parse(["router", "serve", "--routing-policy", "least-loaded", "--max-load-gap", "2"])
+    assert serve.policy == parse(["router", "serve", "--policy", "least-loaded"]).policy
+    assert serve.policy == "least-loaded"

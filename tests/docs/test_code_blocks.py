@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,10 +129,34 @@ def test_python_block(example, eval_example, clone_view: Path, monkeypatch: pyte
         pytest.skip(f"not run: {reason}")
     monkeypatch.chdir(clone_view)
     eval_example.set_config(line_length=100)
-    if eval_example.update_examples:
-        eval_example.run_print_update(example)
-    else:
-        eval_example.run_print_check(example)
+    failure = None
+    try:
+        if eval_example.update_examples:
+            eval_example.run_print_update(example)
+        else:
+            eval_example.run_print_check(example)
+    except Exception as exc:  # noqa: BLE001 - reported below, as one clean failure
+        # pytest-examples points the traceback at the block's lines with synthetic frames that
+        # pytest cannot summarise on Python 3.11 (an INTERNALERROR instead of the failure).
+        failure = f"{example}: {''.join(traceback.format_exception_only(exc)).strip()}"
+        failure += f"\n{_where(exc, example)}"
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
+
+
+def _where(exc: BaseException, example) -> str:
+    """`FILE:LINE: source` of the block's line the exception came from (pytest-examples numbers
+    the frames by the Markdown file's lines)."""
+    lines = example.source.splitlines()
+    tb, line_no = exc.__traceback__, None
+    while tb is not None:
+        if str(example.path) in tb.tb_frame.f_code.co_filename:
+            line_no = tb.tb_lineno
+        tb = tb.tb_next
+    index = -1 if line_no is None else line_no - example.start_line - 1
+    if not 0 <= index < len(lines):
+        return ""
+    return f"{example.path.name}:{line_no}: {lines[index].strip()}"
 
 
 def split_expected_output(body: str) -> tuple[str, str | None]:

@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weights and KV cache: float32 (fp32), bfloat16 (bf16) or float16 (fp16) "
         "(default float32)",
     )
-    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default cpu)")
     parser.add_argument(
         "--attention-backend",
         choices=_BACKENDS,

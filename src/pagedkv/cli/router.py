@@ -45,8 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--block-size", type=int, help="the instances' block size (default 16)")
     serve.add_argument("--hash-algorithm", help="the instances' prefix-cache hash (default sha256)")
-    serve.add_argument("--index", help="memory (default) or redis://HOST:PORT[/DB]")
-    serve.add_argument("--policy", help="prefix-aware (default), least-loaded or round-robin")
+    serve.add_argument("--index", help="memory or redis://HOST:PORT[/DB] (default memory)")
+    serve.add_argument(
+        "--routing-policy",
+        "--policy",  # the older name, kept
+        dest="policy",
+        help="prefix-aware, least-loaded or round-robin (default prefix-aware)",
+    )
     serve.add_argument(
         "--max-load-gap",
         metavar="N|none",

@@ -278,6 +278,15 @@ class EvictionPolicy:
         # on the pool's behalf (`BlockPool.touch`), instead of in a second loop there.
         """
         remove = self.remove
+        if self.retention is None and type(self).note_hit is EvictionPolicy.note_hit:
+            # Hot path: a hit on a held block changes nothing of the policy's: no call for it.
+            for block in blocks:
+                if block is null_block:
+                    continue
+                if block.ref_cnt == 0:
+                    remove(block)
+                block.ref_cnt += 1
+            return
         on_hit_held = self.on_hit_held
         for block in blocks:
             if block is null_block:

@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-requests",
         type=int_at_least(1),
         metavar="N",
-        help="use the first N requests of the trace (workloads: generate N, default 400)",
+        help="use the first N requests of the trace; workloads generate N (default the "
+        "whole trace, 300 requests in the memory study, 400 for a workload)",
     )
     source.add_argument(
         "--rate",
@@ -126,8 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--time-scale",
         type=float_in(0, open_minimum=True),
-        help="multiply arrival times (0.5 = twice the request rate; default 1, or in the "
-        "memory study the scale at which the GPU is about 70 %% busy)",
+        help="multiply arrival times, 0.5 = twice the request rate (default 1; in the memory "
+        "study the scale at which the GPU is about 70 %% busy)",
     )
     serve.add_argument(
         "--max-model-len",

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=EXECUTORS,
         default="local",
         help="where independent runs go: local (worker processes, --jobs) or ray (one Ray "
-        "task per cell; extra [ray]); default local",
+        "task per cell; extra [ray]) (default local)",
     )
     group.add_argument(
         "--ray-address",
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=SCHEDULERS,
         default="pagedkv",
         help="serve mode's scheduler: pagedkv's reference scheduler, or vLLM 0.33's own "
-        "(extra [vllm]); default pagedkv",
+        "(extra [vllm]) (default pagedkv)",
     )
     group.add_argument(
         "--kv-manager",
