@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
+from pagedkv.errors import InvariantViolation
+
 MAX_TRACKED_SESSIONS = 1 << 16
 """Sessions remembered at once; the least recently seen is forgotten beyond this."""
 NUM_TURN_CLASSES = 4  # turn 0, 1, 2, 3 and later
@@ -168,8 +170,6 @@ class SessionStats:
         self._turn_of.pop(request_id, None)
 
     def check_invariants(self) -> None:
-        from pagedkv.errors import InvariantViolation
-
         for klass in range(NUM_CLASSES):
             if not 0 <= self.num_continued[klass] <= self.num_finished[klass]:
                 raise InvariantViolation(
