@@ -8,13 +8,13 @@ import json
 import re
 from typing import Annotated, Any
 
-from pagedkv.errors import InvalidArgumentError, MissingDependencyError
+from pagedkv.errors import InvalidArgumentError, MissingDependencyError, install_hint
 
 try:
     import msgspec
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(
-        "The router service needs msgspec: pip install 'pagedkv[router]'"
+        f"The router service needs msgspec: {install_hint('router')}"
     ) from exc
 
 MAX_TOKEN_ID = 2**32 - 1
