@@ -13,18 +13,30 @@ from pagedkv.credentials import redact
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.router.index import IndexUnavailableError
 
+DEFAULT_TIMEOUT_S = 5.0
+"""How long one call waits for the service to connect and answer: a healthy service answers in
+milliseconds, so a silent one is reported in seconds, not after a minute."""
+
+
+class NotARouterError(InvalidArgumentError):
+    """The URL answers, but not as `pagedkv router serve` does (HTML, other JSON, ...)."""
+
 
 class RouterClient:
     """One keep-alive connection to the service. Errors: `InvalidArgumentError` for a request
-    the service refused (400) or a bad URL, `IndexUnavailableError` when it cannot answer
-    (503, or the connection failed)."""
+    the service refused (400) or a bad URL, `NotARouterError` for an answer that is not the
+    service's JSON, `IndexUnavailableError` when it cannot answer (503, the connection failed,
+    or no answer within `timeout_s`)."""
 
-    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise InvalidArgumentError(
                 f"router URL must be http://HOST:PORT, got {redact(repr(url))}"
             )
+        bad = isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float)
+        if bad or not timeout_s > 0:
+            raise InvalidArgumentError(f"router timeout must be > 0 seconds, got {timeout_s!r}")
         self.url = redact(url.rstrip("/"))
         """For messages: credentials hidden (the service takes none)."""
         self._host, self._port = parts.hostname, parts.port or 80
@@ -44,11 +56,17 @@ class RouterClient:
                 response = self._connection.getresponse()
                 raw = response.read()
                 break
+            except TimeoutError as exc:  # a silent service: retrying would only double the wait
+                self.close()
+                raise IndexUnavailableError(
+                    f"router at {self.url}: no answer to {method} {path} within "
+                    f"{self._timeout_s:g} s"
+                ) from exc
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
                 if attempt:
                     raise IndexUnavailableError(f"router at {self.url}: {exc}") from exc
-        answer = json.loads(raw) if raw else None
+        answer = self._decode(raw, response, path)
         if response.status == 503:
             raise IndexUnavailableError(f"router at {self.url}: {answer}")
         if response.status != 200:
@@ -57,6 +75,20 @@ class RouterClient:
                 f"router at {self.url} answered {response.status}: {message}"
             )
         return answer
+
+    def _decode(self, raw: bytes, response: http.client.HTTPResponse, path: str) -> Any:
+        """The answer's JSON; anything else is not the service (a web server, a proxy's page)."""
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            kind = response.getheader("Content-Type") or "no Content-Type"
+            start = raw[:60].decode("utf-8", "replace").split("\n", 1)[0]
+            raise NotARouterError(
+                f"router at {self.url}: {path} answered {response.status} with {kind}, not "
+                f"JSON ({start!r}...): is it `pagedkv router serve`?"
+            ) from None
 
     def route(
         self,

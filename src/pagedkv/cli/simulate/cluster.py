@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "are where the simulated instances publish; docs/router.md)",
     )
     group.add_argument(
+        "--router-timeout-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="with --router-url: stop with 'no answer' when one call takes longer (default 5)",
+    )
+    group.add_argument(
         "--event-transport",
         choices=("inproc", "tcp"),
         default="inproc",
@@ -174,6 +181,7 @@ def run(
         max_load_gap=args.router_max_load_gap,
         index_url=index_url,
         router_url=args.router_url,
+        router_timeout_s=args.router_timeout_s,
     )
     if index_url is not None:
         _check_redis(index_url)

@@ -14,9 +14,43 @@ from typing import Any
 
 from pagedkv.errors import ConfigError
 from pagedkv.router import IndexUnavailableError, RoutingDecision
-from pagedkv.router.client import RouterClient
+from pagedkv.router.client import DEFAULT_TIMEOUT_S, RouterClient
 
 _FRESH_TIMEOUT_S = 20.0
+
+# What this module reads of the service's /health, and the instance entries' fields.
+_HEALTH_FIELDS: dict[str, type] = {
+    "instances": dict, "block_size": int, "hash_algorithm": str, "index_available": bool,
+    "index_exact": bool, "outages": int, "recoveries": int, "policy": str,
+}  # fmt: skip
+_INSTANCE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "endpoint": str,
+    "replay_endpoint": (str, type(None)),
+    "connected": bool,
+}
+
+
+def check_health(url: str, health: Any) -> dict[str, Any]:
+    """`health` if it is the /health answer of `pagedkv router serve`, else a `ConfigError`
+    naming the first field that is missing or of the wrong type (another JSON service)."""
+
+    def refuse(what: str) -> ConfigError:
+        return ConfigError(f"--router-url {url} is not `pagedkv router serve`: its /health {what}")
+
+    if not isinstance(health, dict):
+        raise refuse(f"is {type(health).__name__}, not an object")
+    for name, kind in _HEALTH_FIELDS.items():
+        if name not in health:
+            raise refuse(f"has no {name!r}")
+        if not isinstance(health[name], kind) or (kind is int and isinstance(health[name], bool)):
+            raise refuse(f"has {name!r} = {health[name]!r}, not {kind.__name__}")
+    for instance_id, entry in health["instances"].items():
+        if not isinstance(entry, dict):
+            raise refuse(f"has instance {instance_id!r} = {entry!r}, not an object")
+        for name, kinds in _INSTANCE_FIELDS.items():
+            if name not in entry or not isinstance(entry[name], kinds):
+                raise refuse(f"has instance {instance_id!r} without a valid {name!r}")
+    return health
 
 
 class RemoteRouter:
@@ -25,10 +59,13 @@ class RemoteRouter:
     Instance i of the simulation is the service's i-th instance (in its configured order).
     """
 
-    def __init__(self, url: str, num_instances: int, block_size: int, hash_algorithm: str):
-        self.client = RouterClient(url)
+    def __init__(
+        self, url: str, num_instances: int, block_size: int, hash_algorithm: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):  # fmt: skip
+        self.client = RouterClient(url, timeout_s)
         try:
-            health = self.client.health()
+            health = check_health(url, self.client.health())
         except IndexUnavailableError as exc:
             raise ConfigError(f"--router-url {url}: no router answers ({exc})") from exc
         self.service_ids = list(health["instances"])

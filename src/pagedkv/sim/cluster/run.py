@@ -65,6 +65,9 @@ class ClusterConfig:
     router_url: str | None = None
     """Route through this running `pagedkv router serve` (http://HOST:PORT) instead of an
     in-process router: the instances publish on the endpoints it subscribes to."""
+    router_timeout_s: float = 5.0
+    """With `router_url`: how long one call to the service may take before the run stops
+    with "no answer" (a healthy service answers in milliseconds)."""
     audit_index: bool = False
     """Check every routing decision made on the index against an index fed directly by the
     publishers (the truth as of the batches published): counts phantom hits (a score above
@@ -189,8 +192,9 @@ class _ClusterRun:
         from pagedkv.sim.cluster.remote_router import RemoteRouter
 
         return RemoteRouter(
-            config.router_url, config.num_instances, serve.block_size, serve.hash_algorithm
-        )
+            config.router_url, config.num_instances, serve.block_size, serve.hash_algorithm,
+            config.router_timeout_s,
+        )  # fmt: skip
 
     def _make_index(self, url: str | None, tag: str) -> Any:
         if url is None:
