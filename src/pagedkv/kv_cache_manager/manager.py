@@ -155,6 +155,18 @@ class KVCacheManager:
             self.coordinator, self.empty_kv_cache_blocks
         )
 
+    def accept_uncached_free_hits(self, accept: bool) -> None:
+        """Whether `allocate_slots` takes uncached free blocks of this pool as hit blocks.
+
+        Off by default: a hit block must be cached under the request's hash (a stale or foreign
+        lookup result raises `ForeignBlockError`). vLLM's manager adopts whatever free blocks
+        its caller names (a connector's own hit); its drop-in turns this on. Such a block is
+        held like any hit and never entered into the cache for the request.
+        """
+        if not isinstance(accept, bool):
+            raise InvalidArgumentError(f"accept must be a bool, got {accept!r}")
+        self._checker.accept_uncached_free_hits = accept
+
     # ------------------------------------------------------------------ lookups
 
     def get_computed_blocks(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+from vllm.v1.core import kv_cache_manager as vllm_kv_cache_manager
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
@@ -23,12 +25,12 @@ from vllm.v1.request import Request
 from pagedkv.block import KVCacheBlock
 from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator
 from pagedkv.errors import ConfigError
-from pagedkv.integrations.vllm.config import translate_config
+from pagedkv.integrations.vllm.config import as_vllm_int, check_as_vllm, translate_config
 from pagedkv.integrations.vllm.events import to_vllm_events
 from pagedkv.integrations.vllm.requests import existing_view, sync_view
 from pagedkv.integrations.vllm.views import BlockPoolView, CoordinatorView
 from pagedkv.kv_cache_blocks import ComputedBlocks, KVCacheBlocks
-from pagedkv.kv_cache_manager import KVCacheManager, annotate_block_stored
+from pagedkv.kv_cache_manager import KVCacheManager
 
 
 def _event_metadata(kv_cache_config: KVCacheConfig) -> tuple[tuple[str, int | None], ...]:
@@ -71,6 +73,20 @@ class PagedKVCacheManager:
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
+        # vLLM's meaning for counts given as bools (0 or 1), then vLLM's own refusals.
+        num_hash_lookahead_tokens = as_vllm_int(num_hash_lookahead_tokens)
+        num_prefill_lookahead = as_vllm_int(num_prefill_lookahead)
+        dcp_world_size = as_vllm_int(dcp_world_size)
+        pcp_world_size = as_vllm_int(pcp_world_size)
+        check_as_vllm(
+            kv_cache_config,
+            scheduler_block_size,
+            hash_block_size,
+            enable_caching,
+            use_eagle,
+            num_prefill_lookahead,
+            watermark,
+        )
         self.core = KVCacheManager(
             translate_config(kv_cache_config),
             max_model_len,
@@ -89,6 +105,9 @@ class PagedKVCacheManager:
             metrics_collector=metrics_collector,  # type: ignore[arg-type]
             watermark=watermark,
         )
+        # vLLM adopts any free block of the pool a caller names as a hit (uncached ones too);
+        # pagedkv's core refuses those unless told (lead decision, issue 23).
+        self.core.accept_uncached_free_hits(True)
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -104,7 +123,9 @@ class PagedKVCacheManager:
         groups = kv_cache_config.kv_cache_groups
         self.num_kv_cache_groups = len(groups)
         self.coordinator = CoordinatorView.for_coordinator(
-            self.core.coordinator, [group.kv_cache_spec for group in groups]
+            self.core.coordinator,
+            [group.kv_cache_spec for group in groups],
+            self.core.scheduler_block_size,
         )
         self.block_pool = BlockPoolView(self.core.block_pool)
         self.retained_hit_group_ids: tuple[int, ...] = ()
@@ -294,13 +315,27 @@ class PagedKVCacheManager:
     # ------------------------------------------------------------------ worker hand-offs
 
     def take_events(self) -> list:
-        """Drain the events as vLLM's types, `BlockStored` annotated with the group's kind."""
+        """Drain the events as vLLM's types, `BlockStored` annotated with its group's kind.
+
+        Events already of vLLM's types (vLLM code may append them to `kv_event_queue`) pass
+        through; the annotation is vLLM's, with its warning for a group index out of range.
+        """
         events = self.core.block_pool.take_events()
         if not events:
             return []
-        # The core's annotation, with vLLM's names for the spec kinds.
-        annotate_block_stored(events, self.kv_cache_event_metadata)
-        return to_vllm_events(events)
+        converted = to_vllm_events(events)
+        metadata = self.kv_cache_event_metadata
+        for event in converted:
+            if type(event) is not VllmBlockStored or event.group_idx is None:
+                continue
+            if not 0 <= event.group_idx < len(metadata):
+                # Looked up at call time: vLLM's tests patch the module's logger.
+                vllm_kv_cache_manager.logger.warning(
+                    "Group index `%s` not in KV cache metadata", event.group_idx
+                )
+                continue
+            event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = metadata[event.group_idx]
+        return converted
 
     def take_new_block_ids(self) -> list[int]:
         """New attention blocks since the last call, for the worker to zero."""
