@@ -207,10 +207,11 @@ MAMBA_CACHE_MODES = ("none", "align")
 class MambaSpec(KVCacheSpec):
     """Mamba / SSM state: one fixed-size state a request, independent of its length.
 
-    `shapes` lists the state tensors (conv state, SSM state); `dtype_bytes` is one size for all,
-    or one per shape. `mamba_cache_mode` (the reference's): "none" keeps only the current state
-    (no prefix caching; the reference then makes `block_size` the model length, so one block
-    holds it), "align" also keeps the states at block boundaries for prefix hits.
+    `shapes` lists the state tensors (conv state, SSM state); a bare int is a one-dimensional
+    shape (`(1, 1)` is two one-element states, as vLLM's tests write them). `dtype_bytes` is one
+    size for all, or one per shape. `mamba_cache_mode` (the reference's): "none" keeps only the
+    current state (no prefix caching; the reference then makes `block_size` the model length,
+    so one block holds it), "align" also keeps the states at block boundaries for prefix hits.
     """
 
     shapes: tuple[tuple[int, ...], ...]
@@ -224,6 +225,15 @@ class MambaSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if isinstance(self.shapes, (tuple, list)):
+            object.__setattr__(
+                self,
+                "shapes",
+                tuple(
+                    (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
+                    for shape in self.shapes
+                ),
+            )
         if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise ConfigError(
                 f"MambaSpec: mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, got "
@@ -238,9 +248,15 @@ class MambaSpec(KVCacheSpec):
                 "MambaSpec: num_speculative_blocks must be an int >= 0, got "
                 f"{self.num_speculative_blocks!r}"
             )
-        if not self.shapes or any(
-            not shape or any(not isinstance(d, int) or d <= 0 for d in shape)
-            for shape in self.shapes
+        if (
+            not isinstance(self.shapes, tuple)
+            or not self.shapes
+            or any(
+                not isinstance(shape, (tuple, list))
+                or not shape
+                or any(not isinstance(d, int) or isinstance(d, bool) or d <= 0 for d in shape)
+                for shape in self.shapes
+            )
         ):
             raise ConfigError(
                 f"MambaSpec: shapes must be non-empty positive dims, got {self.shapes!r}"

@@ -235,6 +235,21 @@ def test_mamba_align_with_speculative_blocks_matches_vllm():
     pair.free_order()
 
 
+def test_flat_mamba_shapes_build_and_match_vllm():
+    # vLLM's tests write `shapes=(1, 1)` (one dtype): vLLM's manager never reads the page size
+    # (its own page_size_bytes raises TypeError on it); pagedkv reads the ints as 1-d shapes.
+    flat = MambaSpec(block_size=4, shapes=(1, 1), dtypes=(torch.float32,), mamba_cache_mode="align")
+    reference, pagedkv = both(20, full(4), flat, log_stats=False)
+    spec = pagedkv.core.kv_cache_config.kv_cache_groups[1].kv_cache_spec
+    assert (spec.shapes, spec.page_size_bytes) == (((1,),), 4)
+    pair = Pair(reference, pagedkv)
+    a = request("a", range(10), 4)
+    assert pair.allocate(a, 10) == ([1, 2, 3], [0, 0, 4])
+    a.num_computed_tokens = 10
+    pair.call("free", a)
+    assert pair.lookup(request("b", range(10), 4)) == (([], []), 0)
+
+
 def test_hash_lookahead_events_match_vllm():
     pair = Pair(*both(20, full(4), num_hash_lookahead_tokens=2, log_stats=False))
     a = request("a", range(18), 4, lookahead=2)

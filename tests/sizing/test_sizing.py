@@ -55,6 +55,15 @@ def test_page_sizes_per_spec():
     assert MambaSpec(80, ((8192, 3), (8192, 16)), 2).page_size_bytes == 311296
 
 
+def test_flat_mamba_shapes_are_one_dimensional_states():
+    # vLLM accepts `shapes=(1, 1)` (its tests build Mamba groups so): each int is a shape.
+    assert MambaSpec(16, (1, 1), 4).shapes == ((1,), (1,))
+    assert MambaSpec(16, (3, (2, 5)), (2, 4)).page_size_bytes == 3 * 2 + 10 * 4
+    for bad in ((0, 1), (True,), ((2, True),), 5, ()):
+        with pytest.raises(ConfigError, match="shapes must be non-empty positive dims"):
+            MambaSpec(16, bad, 2)
+
+
 def test_per_request_memory_per_spec_and_group():
     # max_model_len 16384, max_in_flight 1024 (REFERENCE 6.5's setting).
     assert full().max_memory_usage_bytes(16384, 1024) == 1024 * PAGE

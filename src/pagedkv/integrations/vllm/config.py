@@ -83,11 +83,12 @@ def translate_spec(spec: VllmKVCacheSpec) -> KVCacheSpec:
         raise ConfigError(f"pagedkv does not implement bounded prefix replay ({name})")
     translated: KVCacheSpec
     if isinstance(spec, VllmMambaSpec):
-        # vLLM pairs shapes with dtypes (zip): a shape without a dtype takes no bytes.
+        # vLLM pairs shapes with dtypes (zip): a shape without a dtype takes no bytes. A flat
+        # entry (`shapes=(1, 1)`, as vLLM's tests write it) is a one-dimensional shape.
         pairs = list(zip(spec.shapes, spec.dtypes, strict=False))
         translated = MambaSpec(
             spec.block_size,
-            tuple(tuple(shape) for shape, _ in pairs),
+            tuple((shape,) if isinstance(shape, int) else tuple(shape) for shape, _ in pairs),
             tuple(_dtype_bytes(dtype) for _, dtype in pairs),
             mamba_cache_mode=spec.mamba_cache_mode,
             num_speculative_blocks=spec.num_speculative_blocks,
@@ -97,6 +98,10 @@ def translate_spec(spec: VllmKVCacheSpec) -> KVCacheSpec:
                 "pagedkv does not implement Mamba prefill checkpoint blocks "
                 f"(num_prefill_checkpoint_blocks={spec.num_prefill_checkpoint_blocks})"
             )
+        if spec.page_size_padded is None:
+            # vLLM's own page_size_bytes raises TypeError on a flat shape; pagedkv's is the
+            # same sum with the flat entry as a one-dimensional shape.
+            return translated
     elif isinstance(spec, VllmSlidingWindowSpec):
         if spec.extra_retained_tokens:
             raise ConfigError(
@@ -124,7 +129,10 @@ def translate_spec(spec: VllmKVCacheSpec) -> KVCacheSpec:
         )
     else:
         raise ConfigError(f"pagedkv has no KV-cache manager for vLLM's {name}")
-    return _with_page_size(translated, spec.page_size_bytes)
+    page_size_bytes = (
+        spec.page_size_padded if isinstance(spec, VllmMambaSpec) else spec.page_size_bytes
+    )
+    return _with_page_size(translated, page_size_bytes)
 
 
 def as_vllm_int(value: int | bool) -> int:
