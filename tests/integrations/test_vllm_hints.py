@@ -156,6 +156,13 @@ def test_unknown_and_malformed_hints_are_counted_logged_once_and_never_raise(tmp
         KvHintAction("b4", "pagedkv.retention", "1", {"ranges": "all"}),
         KvHintAction("b5", "other.vendor", "9", {"x": 1}),
     ]
+    import prometheus_client
+
+    def sample(name, **labels):
+        return prometheus_client.REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before_type = sample("pagedkv:kv_hints_skipped_total", kind="unknown_type")
+    before_applied = sample("pagedkv:kv_hints_applied_total")
     with caplog.at_level(logging.WARNING, logger="pagedkv.integrations.vllm"):
         run_to_completion(
             scheduler,
@@ -171,6 +178,9 @@ def test_unknown_and_malformed_hints_are_counted_logged_once_and_never_raise(tmp
         "duplicate": 1,
     }
     assert reader.num_applied == 1
+    # The same counts in Prometheus (vLLM's /metrics registry).
+    assert sample("pagedkv:kv_hints_skipped_total", kind="unknown_type") - before_type == 2
+    assert sample("pagedkv:kv_hints_applied_total") - before_applied == 1
     messages = [r.getMessage() for r in caplog.records if r.name == "pagedkv.integrations.vllm"]
     assert len(messages) == 4  # one line per kind seen
     assert any("ranges[0].start=-1" in m for m in messages)

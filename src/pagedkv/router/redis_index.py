@@ -182,6 +182,10 @@ class RedisPrefixIndex:
     def _instance_key(self, instance_id: str) -> str:
         return f"{self.namespace}:i:{instance_id}"
 
+    @property
+    def idempotent_stores(self) -> frozenset[str] | bool:
+        return self._idempotent
+
     def is_idempotent(self, instance_id: str) -> bool:
         idempotent = self._idempotent
         return idempotent if isinstance(idempotent, bool) else instance_id in idempotent

@@ -21,10 +21,11 @@ from pagedkv.errors import InvalidArgumentError, MissingDependencyError, PagedKV
 from pagedkv.hashing import make_request_block_hasher
 from pagedkv.request import Request
 from pagedkv.router.feeds import EventFeeds
+from pagedkv.router.hash_check import BlockHashCheck
 from pagedkv.router.http_schema import BodyError, ReleaseBody, RouteBody, ScoreBody, decode_body
 from pagedkv.router.index import IndexUnavailableError, InMemoryPrefixIndex
 from pagedkv.router.policies import ROUTING_POLICY_NAMES, make_policy
-from pagedkv.router.router import Router
+from pagedkv.router.router import NoInstanceAvailableError, Router
 from pagedkv.router.service_config import ServiceConfig
 
 try:
@@ -61,16 +62,21 @@ class RouterService:
             index = RedisPrefixIndex(config.index, idempotent_stores=idempotent)
         self.router = Router(
             ids,
-            make_policy(config.policy, config.max_load_gap),
+            make_policy(config.policy, config.max_load_gap, config.seed),
             index=index,
             snapshot_source=self._snapshot,
             retry_interval_s=config.retry_interval_s,
+            grace_s=config.grace_s,
+            hash_check=BlockHashCheck(config.hash_algorithm, config.block_size),
         )
         self.policies = {
-            name: make_policy(name, config.max_load_gap) for name in ROUTING_POLICY_NAMES
+            name: make_policy(name, config.max_load_gap, config.seed)
+            for name in ROUTING_POLICY_NAMES
         }
         self.policies[config.policy] = self.router.policy
-        self.feeds = EventFeeds(self.router, config.instances, config.replay_timeout_s, context)
+        self.feeds = EventFeeds(
+            self.router, config.instances, config.replay_timeout_s, context, config.stale_after_s
+        )
         self.hasher = make_request_block_hasher(config.block_size, config.hash_algorithm)
         self.tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else None
         self.in_flight: dict[str, int] = dict.fromkeys(ids, 0)
@@ -107,7 +113,11 @@ class RouterService:
             return []
         self.num_requests += 1
         request = Request(f"r{self.num_requests}", tokens, block_hasher=self.hasher)
-        return [to_external_hash(h) for h in request.block_hashes]
+        # vLLM computes at least the last prompt token again (its logits start decoding), so
+        # a prefix hit covers at most len - 1 tokens: a fully cached, block-aligned prompt
+        # reuses one block less than it caches.
+        num_blocks = (len(tokens) - 1) // self.config.block_size
+        return [to_external_hash(h) for h in request.block_hashes[:num_blocks]]
 
     def candidates(self, body: Mapping[str, Any]) -> list[str]:
         wanted = body.get("instances")
@@ -139,11 +149,17 @@ class RouterService:
         }
 
     def _score_entry(self, instance_id: str, num_blocks: int) -> dict[str, Any]:
-        return {
+        state = self.router.states[instance_id]
+        entry: dict[str, Any] = {
             "blocks": num_blocks,
             "tokens": num_blocks * self.config.block_size,
-            "connected": self.router.states[instance_id].connected,
+            "connected": state.connected,
+            "exact": state.exact and state.safe,
+            "safe": state.safe,
         }
+        if not state.safe:
+            entry["excluded"] = state.misconfigured or state.down
+        return entry
 
     def route(self, body: Mapping[str, Any]) -> dict[str, Any]:
         hashes = self.block_hashes(body)
@@ -170,7 +186,10 @@ class RouterService:
         if track:
             self.in_flight[decision.instance_id] += 1
         lengths = decision.match_lengths or {}
+        chosen_state = self.router.states[decision.instance_id]
+        hint = {} if chosen_state.exact else {"kv_cache_report_mode": "full"}
         return {
+            **hint,
             "instance": decision.instance_id,
             "policy": decision.policy,
             "fallback": decision.fallback,
@@ -199,7 +218,12 @@ class RouterService:
                     "endpoint": self.endpoints[i][0],
                     "replay_endpoint": self.endpoints[i][1],
                     "connected": state.connected,
-                    "exact": state.exact,
+                    "down": state.down,
+                    "misconfigured": state.misconfigured,
+                    "exact": state.exact and state.safe,
+                    "safe": state.safe,
+                    "coverage": round(state.coverage, 4),
+                    "restarts": self.feeds.subscribers[i].num_restarts,
                     "last_seq": self.feeds.applied_seq[i],
                     "in_flight": self.in_flight[i],
                     "batches_applied": state.num_batches_applied,
@@ -209,7 +233,7 @@ class RouterService:
                 for i, state in router.states.items()
             }
             return {
-                "ready": router.exact,
+                "ready": router.ready,
                 "block_size": self.config.block_size,
                 "hash_algorithm": self.config.hash_algorithm,
                 "policy": self.config.policy,
@@ -358,7 +382,7 @@ def make_app(service: RouterService) -> web.Application:
                 if "sync" in body:
                     await service.wait_for_seqs(body["sync"])
                 return web.json_response(method(body))
-            except IndexUnavailableError as exc:
+            except (IndexUnavailableError, NoInstanceAvailableError) as exc:
                 return web.json_response({"error": str(exc)}, status=503)
             except (PagedKVError, ValueError) as exc:
                 field = exc.field if isinstance(exc, BodyError) else None

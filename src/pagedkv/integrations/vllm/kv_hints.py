@@ -5,7 +5,9 @@ One action is understood: type `pagedkv.retention`, version `1`, payload
 null}], "decode_priority": 0..100 | null}`, the meaning of `pagedkv.retention.RetentionConfig`.
 Anything else (another type or version, a malformed payload, hints while retention is off, a
 second retention action) is skipped, counted per kind and logged once per kind; nothing here
-raises into vLLM's engine loop. Reads the envelope by attribute, so it imports nothing of vLLM.
+raises into vLLM's engine loop. The counts are also Prometheus counters in the default registry
+(the one vLLM's `/metrics` serves): `pagedkv:kv_hints_skipped_total{kind}` and
+`pagedkv:kv_hints_applied_total`. Reads the envelope by attribute, so it imports nothing of vLLM.
 """
 
 from __future__ import annotations
@@ -21,6 +23,31 @@ RETENTION_ACTION_VERSION = "1"
 SKIP_KINDS = ("unknown_type", "unknown_version", "malformed", "retention_off", "duplicate")
 
 logger = logging.getLogger("pagedkv.integrations.vllm")
+
+_COUNTERS: list[Any] = []  # [skipped (by kind), applied], created once per process
+
+
+def _prometheus_counters() -> list[Any]:
+    """The two Prometheus counters (none without prometheus-client, which vLLM requires)."""
+    if not _COUNTERS:
+        try:
+            import prometheus_client
+        except ImportError:  # pragma: no cover - vLLM depends on it
+            _COUNTERS.extend((None, None))
+            return _COUNTERS
+        _COUNTERS.append(
+            prometheus_client.Counter(
+                "pagedkv:kv_hints_skipped",
+                "KV hint actions pagedkv skipped, by kind",
+                ["kind"],
+            )
+        )
+        _COUNTERS.append(
+            prometheus_client.Counter(
+                "pagedkv:kv_hints_applied", "pagedkv.retention KV hint actions applied"
+            )
+        )
+    return _COUNTERS
 
 
 class MalformedHint(ValueError):
@@ -89,9 +116,12 @@ class KvHintReader:
         self.num_applied = 0
         self.num_skipped = dict.fromkeys(SKIP_KINDS, 0)
         self._logged: set[str] = set()
+        self._skipped_counter, self._applied_counter = _prometheus_counters()
 
     def _skip(self, kind: str, detail: str) -> None:
         self.num_skipped[kind] += 1
+        if self._skipped_counter is not None:
+            self._skipped_counter.labels(kind=kind).inc()
         if kind not in self._logged:
             self._logged.add(kind)
             logger.warning(
@@ -139,4 +169,6 @@ class KvHintReader:
                 continue
             found = config
             self.num_applied += 1
+            if self._applied_counter is not None:
+                self._applied_counter.inc()
         return found
