@@ -37,7 +37,20 @@ import time  # noqa: E402
 import bench_core  # noqa: E402
 from bench_core import run_serving  # noqa: E402
 
-ONLINE_POLICY_NAMES = ("lru", "lfu", "s3fifo", "arc", "cost")  # pagedkv.eviction's
+ONLINE_POLICY_NAMES = ("lru", "lfu", "s3fifo", "arc", "cost", "continuation", "hazard")
+# A name with "+lookahead" adds the waiting-queue look-ahead to that policy.
+DEFAULT_POLICIES = (*ONLINE_POLICY_NAMES, "lru+lookahead")
+
+
+def eviction_for(name: str):
+    """The manager's eviction argument for a policy name of this benchmark."""
+    from pagedkv.eviction import EvictionConfig
+
+    policy, _, feature = name.partition("+")
+    if feature == "lookahead":
+        return EvictionConfig(policy=policy, lookahead=True)
+    return policy
+
 
 OPS = ("lookup", "prefill", "decode", "free")
 
@@ -114,7 +127,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scale", type=float, default=0.25, help="fraction of bench_core's size")
-    parser.add_argument("--policies", default=",".join(ONLINE_POLICY_NAMES))
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     parser.add_argument("--batched", action="store_true", help="use allocate_decode_slots")
     parser.add_argument("--lru-against", metavar="SRC", help="another tree's src/ to compare")
     args = parser.parse_args()
@@ -145,7 +158,7 @@ def main() -> int:
                     decode_steps=200,
                     num_blocks=scenario["num_blocks"],
                     batched=args.batched,
-                    eviction=policy,
+                    eviction=eviction_for(policy),
                 )
                 hit_rates[policy] = run["hit_rate"]
                 for op in OPS:

@@ -8,7 +8,7 @@ config). Prints a Markdown table (steps/s, the ratio to the reference, the key r
 JSON line. Any `pagedkv simulate` serve option can be passed after `--`.
 
     python benchmarks/bench_vllm_serve.py [--repeats 2] [--variants ref pagedkv vllm] \\
-        -- --trace /work/shared/traces/mooncake_conversation_trace.jsonl
+        -- --trace traces/conversation_trace.jsonl
 """
 
 from __future__ import annotations

@@ -25,18 +25,22 @@ from pagedkv.sim.eviction_replay import replay_policies
 from pagedkv.sim.inputs.traces import load_trace
 from pagedkv.sim.report.eviction import gap_closed
 
+# The full Mooncake traces (kvcache-ai/Mooncake on GitHub, FAST25-release/traces/), in
+# --trace-dir under these names.
 TRACES = {
-    "conversation": "/work/shared/traces/mooncake_conversation_trace.jsonl",
-    "synthetic": "/work/shared/traces/mooncake_synthetic_trace.jsonl",
+    "conversation": "conversation_trace.jsonl",
+    "synthetic": "synthetic_trace.jsonl",
 }
 CAPACITY_TOKENS = (1_000_000, 2_000_000, 4_000_000, 8_000_000, 16_000_000)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def run(trace_names: list[str], block_sizes: list[int], policies: list[str]) -> None:
+def run(
+    trace_dir: Path, trace_names: list[str], block_sizes: list[int], policies: list[str]
+) -> None:
     RESULTS.mkdir(exist_ok=True)
     for name in trace_names:
-        trace = load_trace(TRACES[name])
+        trace = load_trace(trace_dir / TRACES[name])
         for block_size in block_sizes:
             path = RESULTS / f"eviction_{name}_{block_size}.json"
             done = json.loads(path.read_text()) if path.exists() else {"points": []}
@@ -99,11 +103,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=("run", "table"))
     parser.add_argument("--traces", default="conversation,synthetic")
+    parser.add_argument(
+        "--trace-dir",
+        type=Path,
+        default=Path("traces"),
+        help="folder holding the full Mooncake traces (conversation_trace.jsonl, "
+        "synthetic_trace.jsonl; default ./traces)",
+    )
     parser.add_argument("--block-sizes", default="512,16")
     parser.add_argument("--policies", default=",".join(EVICTION_POLICY_NAMES))
     args = parser.parse_args()
     if args.what == "run":
         run(
+            args.trace_dir,
             args.traces.split(","),
             [int(b) for b in args.block_sizes.split(",")],
             args.policies.split(","),

@@ -46,7 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 clock = time.perf_counter  # --clock cpu: time.thread_time (steadier on a busy machine)
 REPO = HERE.parent.parent
-DEFAULT_VLLM_PYTHON = os.environ.get("PEER_PYTHON", "/work/.peer-venv/bin/python")
+DEFAULT_VLLM_PYTHON = os.environ.get("PEER_PYTHON", str(REPO / ".peer-venv" / "bin" / "python"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,13 +56,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7, help="timed repeats inside each child")
     p.add_argument("--rounds", type=int, default=2, help="child processes per implementation")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="wall: perf_counter; cpu: the thread's CPU time")
-    p.add_argument("--algorithm", default="sha256", choices=["sha256", "sha256_cbor"],
-                   help="the same algorithm name in both libraries")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall: perf_counter; cpu: the thread's CPU time",
+    )
+    p.add_argument(
+        "--algorithm",
+        default="sha256",
+        choices=["sha256", "sha256_cbor"],
+        help="the same algorithm name in both libraries",
+    )
     p.add_argument("--vocab", type=int, default=32000, help="token ids drawn below this")
-    p.add_argument("--prompt-lens", default="",
-                   help="comma-separated prompt lengths for the per-length rows (block 16)")
+    p.add_argument(
+        "--prompt-lens",
+        default="",
+        help="comma-separated prompt lengths for the per-length rows (block 16)",
+    )
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--pagedkv-python", default=sys.executable)
     p.add_argument("--child", choices=["vllm", "pagedkv"], help=argparse.SUPPRESS)
@@ -102,9 +113,13 @@ def vllm_impl(block_size: int, algorithm: str) -> dict:
     hasher = get_request_block_hasher(block_size, hash_fn)
 
     def build(tokens: list[int], block_hasher) -> Request:
-        return Request(request_id="r", prompt_token_ids=tokens,
-                       sampling_params=SamplingParams(max_tokens=1 << 20), pooling_params=None,
-                       block_hasher=block_hasher)
+        return Request(
+            request_id="r",
+            prompt_token_ids=tokens,
+            sampling_params=SamplingParams(max_tokens=1 << 20),
+            pooling_params=None,
+            block_hasher=block_hasher,
+        )
 
     timers = _timers(build, hasher, block_size)
     timers["admit"] = timers["prompt"]  # vLLM's constructor makes exactly this call
@@ -167,8 +182,12 @@ def child(args: argparse.Namespace) -> int:
     tokens = make_tokens(args.num_tokens, args.seed)
     packed = array("I", tokens).tobytes()
     make = vllm_impl if args.child == "vllm" else pagedkv_impl
-    out: dict = {"impl": args.child, "python": sys.version.split()[0], "block_sizes": {},
-                 "prompt_lens": {}}
+    out: dict = {
+        "impl": args.child,
+        "python": sys.version.split()[0],
+        "block_sizes": {},
+        "prompt_lens": {},
+    }
     for block_size in (int(b) for b in args.block_sizes.split(",") if b):
         timers = make(block_size, args.algorithm)
         del timers["build"]
@@ -192,16 +211,19 @@ def child(args: argparse.Namespace) -> int:
             "best_seconds": med,
         }
     for prompt_len in (int(n) for n in args.prompt_lens.split(",") if n):
-        out["prompt_lens"][prompt_len] = prompt_len_rates(make(16, args.algorithm), prompt_len,
-                                                          args)
+        out["prompt_lens"][prompt_len] = prompt_len_rates(
+            make(16, args.algorithm), prompt_len, args
+        )
     print(json.dumps(out))
     return 0
 
 
 def prompt_len_rates(timers: dict, prompt_len: int, args: argparse.Namespace) -> dict:
     """Tokens/s of `admit` and `build` over distinct prompts of one length (block size 16)."""
-    prompts = [make_tokens(prompt_len, args.seed + 1 + index)
-               for index in range(max(1, args.num_tokens // prompt_len))]
+    prompts = [
+        make_tokens(prompt_len, args.seed + 1 + index)
+        for index in range(max(1, args.num_tokens // prompt_len))
+    ]
     for prompt in prompts[:4]:  # warm-up: first calls (and pagedkv's CBOR memo) untimed
         timers["build"](prompt)
     best = {}
@@ -227,11 +249,28 @@ def run_child(python: str, impl: str, args: argparse.Namespace) -> dict:
     if impl == "pagedkv":
         src = str(REPO / "src")
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [python, str(Path(__file__).resolve()), "--child", impl,
-           "--num-tokens", str(args.num_tokens), "--block-sizes", args.block_sizes,
-           "--repeats", str(args.repeats), "--seed", str(args.seed),
-           "--algorithm", args.algorithm, "--prompt-lens", args.prompt_lens,
-           "--clock", args.clock, "--vocab", str(args.vocab)]
+    cmd = [
+        python,
+        str(Path(__file__).resolve()),
+        "--child",
+        impl,
+        "--num-tokens",
+        str(args.num_tokens),
+        "--block-sizes",
+        args.block_sizes,
+        "--repeats",
+        str(args.repeats),
+        "--seed",
+        str(args.seed),
+        "--algorithm",
+        args.algorithm,
+        "--prompt-lens",
+        args.prompt_lens,
+        "--clock",
+        args.clock,
+        "--vocab",
+        str(args.vocab),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
@@ -240,54 +279,81 @@ def run_child(python: str, impl: str, args: argparse.Namespace) -> dict:
 
 def runner(args: argparse.Namespace) -> int:
     if not Path(args.vllm_python).exists():
-        raise SystemExit(f"no peer venv python at {args.vllm_python}: build it with "
-                         "bash benchmarks/peer/vllm/setup_venv.sh DIR, then pass "
-                         "--vllm-python DIR/bin/python")
+        raise SystemExit(
+            f"no peer venv python at {args.vllm_python}: build it with "
+            "bash benchmarks/peer/vllm/setup_venv.sh DIR, then pass "
+            "--vllm-python DIR/bin/python"
+        )
     results: dict[str, list[dict]] = {"vllm": [], "pagedkv": []}
     pythons = {"vllm": args.vllm_python, "pagedkv": args.pagedkv_python}
     load_start = os.getloadavg()
     for rnd in range(args.rounds):
-        for impl in (("vllm", "pagedkv") if rnd % 2 == 0 else ("pagedkv", "vllm")):
+        for impl in ("vllm", "pagedkv") if rnd % 2 == 0 else ("pagedkv", "vllm"):
             print(f"[round {rnd + 1}/{args.rounds}] {impl}", file=sys.stderr, flush=True)
             results[impl].append(run_child(pythons[impl], impl, args))
     table = {}
-    print(f"\n{args.algorithm} prefix-cache hashing, {args.num_tokens} tokens (ids below "
-          f"{args.vocab}), tokens/s (millions, {args.clock} clock), median over {args.rounds} "
-          f"processes of the best of {args.repeats} repeats")
-    print(f"{'block':>6} {'mode':>7} {'vLLM':>9} {'pagedkv':>9} {'floor':>9} "
-          f"{'pagedkv/vLLM':>13} {'floor/pagedkv':>14} {'floor/vLLM':>11}")
+    print(
+        f"\n{args.algorithm} prefix-cache hashing, {args.num_tokens} tokens (ids below "
+        f"{args.vocab}), tokens/s (millions, {args.clock} clock), median over {args.rounds} "
+        f"processes of the best of {args.repeats} repeats"
+    )
+    print(
+        f"{'block':>6} {'mode':>7} {'vLLM':>9} {'pagedkv':>9} {'floor':>9} "
+        f"{'pagedkv/vLLM':>13} {'floor/pagedkv':>14} {'floor/vLLM':>11}"
+    )
     for block_size in (b for b in args.block_sizes.split(",") if b):
+
         def med(impl: str, key: str, bs: str = block_size) -> float:
             return statistics.median(r["block_sizes"][bs][key] for r in results[impl])
 
         # The floor from both processes (same interpreter build): one number for the table.
         floor = statistics.median(
-            [r["block_sizes"][block_size]["floor_tokens_per_s"] for rs in results.values()
-             for r in rs])
+            [
+                r["block_sizes"][block_size]["floor_tokens_per_s"]
+                for rs in results.values()
+                for r in rs
+            ]
+        )
         for mode in ("prompt", "admit", "append"):
             v, p = med("vllm", f"{mode}_tokens_per_s"), med("pagedkv", f"{mode}_tokens_per_s")
-            row = {"vllm_tokens_per_s": v, "pagedkv_tokens_per_s": p, "floor_tokens_per_s": floor,
-                   "pagedkv_over_vllm": p / v, "floor_over_pagedkv": floor / p,
-                   "floor_over_vllm": floor / v}
+            row = {
+                "vllm_tokens_per_s": v,
+                "pagedkv_tokens_per_s": p,
+                "floor_tokens_per_s": floor,
+                "pagedkv_over_vllm": p / v,
+                "floor_over_pagedkv": floor / p,
+                "floor_over_vllm": floor / v,
+            }
             table[f"{block_size}/{mode}"] = row
-            print(f"{block_size:>6} {mode:>7} {v / 1e6:>9.2f} {p / 1e6:>9.2f} {floor / 1e6:>9.2f} "
-                  f"{p / v:>13.2f} {floor / p:>14.2f} {floor / v:>11.2f}")
+            print(
+                f"{block_size:>6} {mode:>7} {v / 1e6:>9.2f} {p / 1e6:>9.2f} {floor / 1e6:>9.2f} "
+                f"{p / v:>13.2f} {floor / p:>14.2f} {floor / v:>11.2f}"
+            )
     if args.prompt_lens:
-        print(f"\nper prompt length (block size 16; distinct prompts, {args.num_tokens} tokens "
-              "per measurement), tokens/s (millions)")
+        print(
+            f"\nper prompt length (block size 16; distinct prompts, {args.num_tokens} tokens "
+            "per measurement), tokens/s (millions)"
+        )
         print(f"{'tokens':>7} {'mode':>7} {'vLLM':>9} {'pagedkv':>9} {'pagedkv/vLLM':>13}")
     for prompt_len in (n for n in args.prompt_lens.split(",") if n):
         for mode in ("admit", "build"):
             key = f"{mode}_tokens_per_s"
             v = statistics.median(r["prompt_lens"][prompt_len][key] for r in results["vllm"])
             p = statistics.median(r["prompt_lens"][prompt_len][key] for r in results["pagedkv"])
-            table[f"len{prompt_len}/{mode}"] = {"vllm_tokens_per_s": v,
-                                                "pagedkv_tokens_per_s": p,
-                                                "pagedkv_over_vllm": p / v}
+            table[f"len{prompt_len}/{mode}"] = {
+                "vllm_tokens_per_s": v,
+                "pagedkv_tokens_per_s": p,
+                "pagedkv_over_vllm": p / v,
+            }
             print(f"{prompt_len:>7} {mode:>7} {v / 1e6:>9.3f} {p / 1e6:>9.3f} {p / v:>13.2f}")
-    record = {"command": " ".join([sys.executable, *sys.argv]), "loadavg_start": load_start,
-              "loadavg_end": os.getloadavg(), "cpu_count": os.cpu_count(), "table": table,
-              "runs": results}
+    record = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+        "table": table,
+        "runs": results,
+    }
     started = time.strftime("%Y%m%d-%H%M%S")
     default_out = REPO / "benchmarks" / "results" / f"peer_hashing_{started}.json"
     out = Path(args.out) if args.out else default_out

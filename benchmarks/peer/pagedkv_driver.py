@@ -74,39 +74,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", choices=["decode", "shared-prefix"], default="decode")
     p.add_argument("--requests", type=int, default=1024, help="total requests")
     p.add_argument("--batch", type=int, default=256, help="max concurrent (running) requests")
-    p.add_argument("--prompt-len", type=int, default=1000,
-                   help="prompt tokens (decode) / unique suffix tokens (shared-prefix)")
-    p.add_argument("--decode-steps", type=int, default=200,
-                   help="decode steps (allocate_slots(req, 1)) per request after its prefill")
-    p.add_argument("--num-blocks", type=int, default=20000,
-                   help="KVCacheConfig.num_blocks (block 0 is the null block)")
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=1000,
+        help="prompt tokens (decode) / unique suffix tokens (shared-prefix)",
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=200,
+        help="decode steps (allocate_slots(req, 1)) per request after its prefill",
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=20000,
+        help="KVCacheConfig.num_blocks (block 0 is the null block)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefix-len", type=int, default=4000,
-                   help="shared-prefix: system prompt length")
-    p.add_argument("--num-prefixes", type=int, default=1,
-                   help="shared-prefix: number of distinct system prompts, chosen uniformly "
-                        "per request")
+    p.add_argument(
+        "--prefix-len", type=int, default=4000, help="shared-prefix: system prompt length"
+    )
+    p.add_argument(
+        "--num-prefixes",
+        type=int,
+        default=1,
+        help="shared-prefix: number of distinct system prompts, chosen uniformly per request",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--hash", default="sha256", choices=list(HASH_ALGORITHMS),
-                   help="prefix-cache hash algorithm (pagedkv default: sha256)")
-    p.add_argument("--max-model-len", type=int, default=0,
-                   help="0 = just enough for the longest request")
+    p.add_argument(
+        "--hash",
+        default="sha256",
+        choices=list(HASH_ALGORITHMS),
+        help="prefix-cache hash algorithm (pagedkv default: sha256)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=0, help="0 = just enough for the longest request"
+    )
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--no-caching", action="store_true", help="enable_caching=False")
     p.add_argument("--log-stats", action="store_true", help="KVCacheManager(log_stats=True)")
     p.add_argument("--no-gc", action="store_true", help="gc.disable() during the replay")
-    p.add_argument("--selftest", action="store_true",
-                   help="replay the block-id expectations of the reference's test_prefill, "
-                        "then exit")
-    p.add_argument("--check", action="store_true",
-                   help="verify block tables / ref counts after every step (slow, untimed)")
-    p.add_argument("--gc-stats", action="store_true",
-                   help="report garbage collections per generation and their total time")
-    p.add_argument("--batched-decode", action="store_true",
-                   help="decode with one KVCacheManager.allocate_decode_slots(running) call "
-                        "per step (pagedkv extension; error if the manager lacks it)")
+    p.add_argument(
+        "--selftest",
+        action="store_true",
+        help="replay the block-id expectations of the reference's test_prefill, then exit",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="verify block tables / ref counts after every step (slow, untimed)",
+    )
+    p.add_argument(
+        "--gc-stats",
+        action="store_true",
+        help="report garbage collections per generation and their total time",
+    )
+    p.add_argument(
+        "--batched-decode",
+        action="store_true",
+        help="decode with one KVCacheManager.allocate_decode_slots(running) call "
+        "per step (pagedkv extension; error if the manager lacks it)",
+    )
     return p.parse_args(argv)
 
 
@@ -139,8 +171,9 @@ def build_manager(args: argparse.Namespace, max_model_len: int) -> KVCacheManage
     )
 
 
-def check_state(manager: KVCacheManager, running: list[Request], block_size: int,
-                usable_blocks: int) -> None:
+def check_state(
+    manager: KVCacheManager, running: list[Request], block_size: int, usable_blocks: int
+) -> None:
     """The vLLM driver's per-step checks, plus pagedkv's own `check_invariants()`."""
     manager.check_invariants()
     pool = manager.block_pool
@@ -157,7 +190,9 @@ def check_state(manager: KVCacheManager, running: list[Request], block_size: int
     for bid, n in holders.items():
         assert pool.blocks[bid].ref_cnt == n, (bid, pool.blocks[bid].ref_cnt, n)
     assert usable_blocks - pool.get_num_free_blocks() == len(holders), (
-        usable_blocks - pool.get_num_free_blocks(), len(holders))
+        usable_blocks - pool.get_num_free_blocks(),
+        len(holders),
+    )
 
 
 def selftest(args: argparse.Namespace) -> int:
@@ -191,8 +226,7 @@ def selftest(args: argparse.Namespace) -> int:
     r3 = mk("3", [99] * 160)
     cb, n, _ = m.get_computed_blocks(r3)
     assert n == 0
-    assert m.allocate_slots(r3, 160, 0, cb).get_block_ids() == (
-        [5, 4, 6, 7, 8, 9, 10, 3, 2, 1],)
+    assert m.allocate_slots(r3, 160, 0, cb).get_block_ids() == ([5, 4, 6, 7, 8, 9, 10, 3, 2, 1],)
     assert m.block_pool.get_num_free_blocks() == 0
     m.free(r3)
     assert m.block_pool.get_num_free_blocks() == 10
@@ -210,8 +244,7 @@ def make_workload(args: argparse.Namespace, rng: random.Random):
     else:
         prompt_total = args.prefix_len + args.prompt_len
         prefixes = [
-            [rng.randrange(vocab) for _ in range(args.prefix_len)]
-            for _ in range(args.num_prefixes)
+            [rng.randrange(vocab) for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)
         ]
     req_tokens: list[list[int]] = []
     for _ in range(args.requests):
@@ -556,9 +589,11 @@ class GCStats:
             self.seconds[generation] += perf_counter() - self._t0
 
     def summary(self) -> dict:
-        return {"collections": self.collections,
-                "seconds": [round(s, 6) for s in self.seconds],
-                "tracked_objects_at_end": len(gc.get_objects())}
+        return {
+            "collections": self.collections,
+            "seconds": [round(s, 6) for s in self.seconds],
+            "tracked_objects_at_end": len(gc.get_objects()),
+        }
 
 
 def _method_stats(calls: int, seconds: float) -> dict:

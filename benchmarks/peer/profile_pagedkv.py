@@ -40,8 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=12, help="functions listed per kind")
     p.add_argument("--batched-decode", action="store_true")
     p.add_argument("--out-dir", default=str(HERE.parent / "results"))
-    p.add_argument("driver_args", nargs="*",
-                   help="extra pagedkv_driver arguments after --, e.g. -- --requests 256")
+    p.add_argument(
+        "driver_args",
+        nargs="*",
+        help="extra pagedkv_driver arguments after --, e.g. -- --requests 256",
+    )
     return p.parse_args(argv)
 
 
@@ -70,13 +73,16 @@ class PhaseProfiler:
     def install(self, replay: pagedkv_driver.Replay) -> None:
         manager = replay.manager
         manager.allocate_slots = self.wrap(
-            lambda a: "decode_alloc" if len(a) == 2 else "prefill_alloc", manager.allocate_slots)
+            lambda a: "decode_alloc" if len(a) == 2 else "prefill_alloc", manager.allocate_slots
+        )
         manager.get_computed_blocks = self.wrap(
-            lambda a: "get_computed_blocks", manager.get_computed_blocks)
+            lambda a: "get_computed_blocks", manager.get_computed_blocks
+        )
         manager.free = self.wrap(lambda a: "free", manager.free)
         if hasattr(manager, "allocate_decode_slots"):
             manager.allocate_decode_slots = self.wrap(
-                lambda a: "decode_alloc", manager.allocate_decode_slots)
+                lambda a: "decode_alloc", manager.allocate_decode_slots
+            )
         # Hashing happens in Request construction and in append_output_token_ids. The methods
         # are wrapped on the class itself: a subclass would fail the manager's
         # `type(request) is Request` fast-path test and profile the slow path instead.
@@ -128,15 +134,20 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     print(f"## {args.workload}: pagedkv_driver.py {' '.join(driver_argv)}")
-    print(f"(profiled run: manager {report['manager_seconds']:.3f} s, hashing "
-          f"{report['hash_seconds']:.3f} s; cProfile inflates both)\n")
+    print(
+        f"(profiled run: manager {report['manager_seconds']:.3f} s, hashing "
+        f"{report['hash_seconds']:.3f} s; cProfile inflates both)\n"
+    )
     for kind in KINDS:
         if not profiler.entry_calls[kind]:
             continue
         pstats_path = out_dir / f"profile_{args.workload}_{kind}_{stamp}.pstats"
         profiler.profiles[kind].dump_stats(pstats_path)
-        print("\n".join(summarize(kind, profiler.profiles[kind], profiler.entry_calls[kind],
-                                  args.top)))
+        print(
+            "\n".join(
+                summarize(kind, profiler.profiles[kind], profiler.entry_calls[kind], args.top)
+            )
+        )
         print()
     return 0
 

@@ -11,7 +11,7 @@ stops unless both report the same hit tokens and requests not fit. Medians go in
 and into a JSON file under benchmarks/results/.
 
   python benchmarks/peer/replay_compare.py --vllm-python .peer-venv/bin/python \\
-      --trace /work/shared/traces/mooncake_conversation_trace.jsonl
+      --trace traces/conversation_trace.jsonl
 """
 
 from __future__ import annotations

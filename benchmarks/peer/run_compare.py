@@ -9,7 +9,7 @@ preemptions, admission failures, peak usage, calls per method) are identical, wh
 proves it. Medians over --reps repetitions go into the table and into a JSON file under
 benchmarks/results/.
 
-  python benchmarks/peer/run_compare.py --vllm-python /work/.peer-venv/bin/python
+  python benchmarks/peer/run_compare.py --vllm-python .peer-venv/bin/python
 
 The issue-12 workloads (chat, gemma3, long32k, churn: `--workloads scenarios`) run through
 scenario_driver.py, one loop with a pagedkv and a vLLM adapter; for them the runner also
@@ -36,25 +36,81 @@ PAGEDKV_DRIVER = HERE / "pagedkv_driver.py"
 CPU_CLOCK = HERE / "cpu_clock.py"
 VLLM_DRIVER = HERE / "vllm" / "vllm_kv_driver.py"
 SCENARIO_DRIVER = HERE / "scenario_driver.py"
-DEFAULT_VLLM_PYTHON = os.environ.get("PEER_PYTHON", "/work/.peer-venv/bin/python")
+DEFAULT_VLLM_PYTHON = os.environ.get("PEER_PYTHON", str(REPO / ".peer-venv" / "bin" / "python"))
 
-COMMON = ["--requests", "1024", "--batch", "256", "--prompt-len", "1000", "--decode-steps", "200",
-          "--num-blocks", "20000", "--seed", "0"]
+COMMON = [
+    "--requests",
+    "1024",
+    "--batch",
+    "256",
+    "--prompt-len",
+    "1000",
+    "--decode-steps",
+    "200",
+    "--num-blocks",
+    "20000",
+    "--seed",
+    "0",
+]
 WORKLOADS: dict[str, list[str]] = {
     "decode": ["--workload", "decode", *COMMON],
-    "shared1": ["--workload", "shared-prefix", "--prefix-len", "4000", "--num-prefixes", "1",
-                *COMMON],
-    "shared8": ["--workload", "shared-prefix", "--prefix-len", "4000", "--num-prefixes", "8",
-                *COMMON],
+    "shared1": [
+        "--workload",
+        "shared-prefix",
+        "--prefix-len",
+        "4000",
+        "--num-prefixes",
+        "1",
+        *COMMON,
+    ],
+    "shared8": [
+        "--workload",
+        "shared-prefix",
+        "--prefix-len",
+        "4000",
+        "--num-prefixes",
+        "8",
+        *COMMON,
+    ],
     # 1,024 running requests: the issue's second batched-decode figure.
-    "decode1024": ["--workload", "decode", "--requests", "2048", "--batch", "1024",
-                   "--prompt-len", "1000", "--decode-steps", "200", "--num-blocks", "80000",
-                   "--seed", "0"],
+    "decode1024": [
+        "--workload",
+        "decode",
+        "--requests",
+        "2048",
+        "--batch",
+        "1024",
+        "--prompt-len",
+        "1000",
+        "--decode-steps",
+        "200",
+        "--num-blocks",
+        "80000",
+        "--seed",
+        "0",
+    ],
     # Not in the default set: 32 system prompts in 8,000 blocks, so eviction and admission
     # failures dominate (hit rate 0.54, 49 preemptions, 2,765 failed admissions).
-    "evict32": ["--workload", "shared-prefix", "--prefix-len", "4000", "--num-prefixes", "32",
-                "--requests", "512", "--batch", "64", "--prompt-len", "1000",
-                "--decode-steps", "200", "--num-blocks", "8000", "--seed", "0"],
+    "evict32": [
+        "--workload",
+        "shared-prefix",
+        "--prefix-len",
+        "4000",
+        "--num-prefixes",
+        "32",
+        "--requests",
+        "512",
+        "--batch",
+        "64",
+        "--prompt-len",
+        "1000",
+        "--decode-steps",
+        "200",
+        "--num-blocks",
+        "8000",
+        "--seed",
+        "0",
+    ],
 }
 # The issue-12 workloads, defined in scenarios.py and replayed by scenario_driver.py.
 SCENARIO_WORKLOADS = ("chat", "gemma3", "long32k", "churn")
@@ -71,39 +127,84 @@ MAX_MODEL_LEN_HEADROOM = 256
 
 # Deterministic outcomes of the replay: equal in both drivers iff the call sequences match.
 WORKLOAD_STATS = (
-    "steps", "finished_requests", "decode_tokens", "prompt_tokens_first_admission",
-    "hit_tokens_first_admission", "prefix_hit_rate", "lookup_tokens_all", "hit_tokens_all",
-    "preemptions", "admission_failures", "peak_used_blocks", "max_model_len", "free_check_ok",
+    "steps",
+    "finished_requests",
+    "decode_tokens",
+    "prompt_tokens_first_admission",
+    "hit_tokens_first_admission",
+    "prefix_hit_rate",
+    "lookup_tokens_all",
+    "hit_tokens_all",
+    "preemptions",
+    "admission_failures",
+    "peak_used_blocks",
+    "max_model_len",
+    "free_check_ok",
 )
-METHODS = ("get_computed_blocks", "allocate_slots_prefill", "allocate_slots_chunk",
-           "allocate_slots_decode", "free", "new_step_starts", "allocate_slots")
+METHODS = (
+    "get_computed_blocks",
+    "allocate_slots_prefill",
+    "allocate_slots_chunk",
+    "allocate_slots_decode",
+    "free",
+    "new_step_starts",
+    "allocate_slots",
+)
 # What must match in the scenario runs, besides the statistics: the block ids of every request
 # and the final eviction order.
 SCENARIO_STATS = (
-    "steps", "finished_requests", "decode_tokens", "prompt_tokens_first_admission",
-    "hit_tokens_first_admission", "prefix_hit_rate", "lookup_tokens_all", "hit_tokens_all",
-    "preemptions", "admission_failures", "peak_used_blocks", "turns_queued", "free_check_ok",
-    "block_ids_digest", "free_queue_digest",
+    "steps",
+    "finished_requests",
+    "decode_tokens",
+    "prompt_tokens_first_admission",
+    "hit_tokens_first_admission",
+    "prefix_hit_rate",
+    "lookup_tokens_all",
+    "hit_tokens_all",
+    "preemptions",
+    "admission_failures",
+    "peak_used_blocks",
+    "turns_queued",
+    "free_check_ok",
+    "block_ids_digest",
+    "free_queue_digest",
 )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=3, help="repetitions per driver and workload")
-    p.add_argument("--workloads", default="kit",
-                   help=f"comma-separated subset of {','.join([*WORKLOADS, *SCENARIO_WORKLOADS])}"
-                        f", or a preset: {', '.join(f'{k} = {v}' for k, v in PRESETS.items())}")
-    p.add_argument("--hash", default="sha256", choices=["sha256", "sha256_cbor"],
-                   help="prefix-cache hash algorithm of both libraries")
-    p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
-                   help="python of the peer venv (setup_venv.sh); env PEER_PYTHON")
+    p.add_argument(
+        "--workloads",
+        default="kit",
+        help=f"comma-separated subset of {','.join([*WORKLOADS, *SCENARIO_WORKLOADS])}"
+        f", or a preset: {', '.join(f'{k} = {v}' for k, v in PRESETS.items())}",
+    )
+    p.add_argument(
+        "--hash",
+        default="sha256",
+        choices=["sha256", "sha256_cbor"],
+        help="prefix-cache hash algorithm of both libraries",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=DEFAULT_VLLM_PYTHON,
+        help="python of the peer venv (setup_venv.sh); env PEER_PYTHON",
+    )
     p.add_argument("--pagedkv-python", default=sys.executable)
-    p.add_argument("--no-batched", action="store_true",
-                   help="skip the pagedkv --batched-decode runs even if the API exists")
+    p.add_argument(
+        "--no-batched",
+        action="store_true",
+        help="skip the pagedkv --batched-decode runs even if the API exists",
+    )
     p.add_argument("--quick", action="store_true", help="smaller workloads (smoke test)")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="wall: the drivers' perf_counter; cpu: thread CPU time (cpu_clock.py), "
-                        "its per-interval cost subtracted; steadier on a busy machine")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall: the drivers' perf_counter; cpu: thread CPU time (cpu_clock.py), "
+        "its per-interval cost subtracted; steadier on a busy machine",
+    )
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
     return p.parse_args(argv)
 
@@ -123,8 +224,9 @@ def workload_args(name: str, quick: bool) -> list[str]:
     return [*argv, "--max-model-len", str(max_model_len)]
 
 
-def run_driver(python: str, driver: Path, argv: list[str], env: dict[str, str],
-               clock: str = "wall") -> dict:
+def run_driver(
+    python: str, driver: Path, argv: list[str], env: dict[str, str], clock: str = "wall"
+) -> dict:
     """Run one driver; its JSON line, plus the child's wall and CPU seconds (contention)."""
     cmd = [python, str(driver), *argv]
     if clock == "cpu":
@@ -139,8 +241,11 @@ def run_driver(python: str, driver: Path, argv: list[str], env: dict[str, str],
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
     # CPU share below 1.0 means the child waited for a core: other load inflated its timers.
-    result["runner"] = {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
-                        "cpu_share": round(cpu / wall, 3)}
+    result["runner"] = {
+        "wall_s": round(wall, 3),
+        "cpu_s": round(cpu, 3),
+        "cpu_share": round(cpu / wall, 3),
+    }
     if "clock" in result:
         subtract_clock_overhead(result)
     return result
@@ -157,11 +262,13 @@ def subtract_clock_overhead(result: dict) -> None:
         stats["seconds"] = max(stats["seconds"] - intervals * overhead, 0.0)
         stats["us_per_call"] = 1e6 * stats["seconds"] / stats["calls"] if stats["calls"] else None
     merged = per_method["allocate_slots"]
-    merged["seconds"] = sum(per_method[m]["seconds"] for m in per_method
-                            if m.startswith("allocate_slots_"))
+    merged["seconds"] = sum(
+        per_method[m]["seconds"] for m in per_method if m.startswith("allocate_slots_")
+    )
     merged["us_per_call"] = 1e6 * merged["seconds"] / merged["calls"] if merged["calls"] else None
     result["manager_seconds"] = sum(
-        stats["seconds"] for method, stats in per_method.items() if method != "allocate_slots")
+        stats["seconds"] for method, stats in per_method.items() if method != "allocate_slots"
+    )
     step = result.get("decode_step")
     if step and step["us_per_step_mean"] is not None:
         # One timed interval per request per step, or one per step when batched.
@@ -194,8 +301,9 @@ def assert_same_workload(name: str, a: dict, b: dict, label: str) -> None:
             diffs[f"{method}.calls"] = (ca, cb)
     if "request_block_digests" in a:
         da, db = a["request_block_digests"], b["request_block_digests"]
-        differing = sorted((rid for rid in da.keys() | db.keys() if da.get(rid) != db.get(rid)),
-                           key=int)
+        differing = sorted(
+            (rid for rid in da.keys() | db.keys() if da.get(rid) != db.get(rid)), key=int
+        )
         if differing:
             diffs["requests_with_other_block_ids"] = (len(differing), differing[:5])
     if diffs:
@@ -259,16 +367,24 @@ def print_table(name: str, argv: list[str], summary: dict, best: dict, stats: di
     """Medians per implementation, then pagedkv/vLLM ratios of the medians and of the bests."""
     impls = [i for i in ("vllm", "pagedkv", "pagedkv_batched") if i in summary]
     print(f"\n== {name}: {' '.join(argv)}")
-    print(f"   steps {stats['steps']}, hit rate {stats['prefix_hit_rate']}, "
-          f"preemptions {stats['preemptions']}, admission failures {stats['admission_failures']}")
+    print(
+        f"   steps {stats['steps']}, hit rate {stats['prefix_hit_rate']}, "
+        f"preemptions {stats['preemptions']}, admission failures {stats['admission_failures']}"
+    )
     if "request_block_digests" in stats:
-        print(f"   block ids identical for all {stats['request_block_digests']} requests "
-              f"(digest {stats['block_ids_digest']}), free-queue order identical")
-    ratio_keys = [("ratio_pagedkv_over_vllm", "p/v med", summary), ("ratio_pagedkv_over_vllm",
-                  "p/v best", best)]
+        print(
+            f"   block ids identical for all {stats['request_block_digests']} requests "
+            f"(digest {stats['block_ids_digest']}), free-queue order identical"
+        )
+    ratio_keys = [
+        ("ratio_pagedkv_over_vllm", "p/v med", summary),
+        ("ratio_pagedkv_over_vllm", "p/v best", best),
+    ]
     if "pagedkv_batched" in impls:
-        ratio_keys += [("ratio_batched_over_vllm", "b/v med", summary),
-                       ("ratio_batched_over_vllm", "b/v best", best)]
+        ratio_keys += [
+            ("ratio_batched_over_vllm", "b/v med", summary),
+            ("ratio_batched_over_vllm", "b/v best", best),
+        ]
     header = f"{'median of runs':32}" + "".join(f"{i:>16}" for i in impls)
     header += "".join(f"{label:>10}" for _, label, _ in ratio_keys)
     print(header)
@@ -291,23 +407,33 @@ def print_table(name: str, argv: list[str], summary: dict, best: dict, stats: di
             ratio = source[ratio_name].get(key) if key != "cpu_share" else None
             line += f"{ratio:>10.3f}" if ratio is not None else f"{'-':>10}"
         print(line)
-    how = ("measured by the shared loop" if "request_block_digests" in stats else
-           "derived (mean us/call decode x running requests)")
+    how = (
+        "measured by the shared loop"
+        if "request_block_digests" in stats
+        else "derived (mean us/call decode x running requests)"
+    )
     print(f"   vLLM's decode phase per step is {how}; best = min over runs")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    names = [n.strip() for n in ",".join(PRESETS.get(w.strip(), w) for w in
-                                          args.workloads.split(",")).split(",") if n.strip()]
+    names = [
+        n.strip()
+        for n in ",".join(PRESETS.get(w.strip(), w) for w in args.workloads.split(",")).split(",")
+        if n.strip()
+    ]
     for name in names:
         if name not in WORKLOADS and name not in SCENARIO_WORKLOADS:
-            raise SystemExit(f"unknown workload {name!r}; choose from "
-                             f"{', '.join([*WORKLOADS, *SCENARIO_WORKLOADS, *PRESETS])}")
+            raise SystemExit(
+                f"unknown workload {name!r}; choose from "
+                f"{', '.join([*WORKLOADS, *SCENARIO_WORKLOADS, *PRESETS])}"
+            )
     if not Path(args.vllm_python).exists():
-        raise SystemExit(f"no peer venv python at {args.vllm_python}: build it with "
-                         "bash benchmarks/peer/vllm/setup_venv.sh DIR, then pass "
-                         "--vllm-python DIR/bin/python")
+        raise SystemExit(
+            f"no peer venv python at {args.vllm_python}: build it with "
+            "bash benchmarks/peer/vllm/setup_venv.sh DIR, then pass "
+            "--vllm-python DIR/bin/python"
+        )
     env = pagedkv_env()
     batched = not args.no_batched and has_batched_decode(args.pagedkv_python, env)
     hash_args = ["--hash", args.hash]
@@ -339,15 +465,17 @@ def main(argv: list[str] | None = None) -> int:
                 if impl == "vllm":
                     driver = SCENARIO_DRIVER if scenario else VLLM_DRIVER
                     extra = ["--impl", "vllm"] if scenario else []
-                    result = run_driver(args.vllm_python, driver, argv_w + extra,
-                                        dict(os.environ), args.clock)
+                    result = run_driver(
+                        args.vllm_python, driver, argv_w + extra, dict(os.environ), args.clock
+                    )
                 else:
                     driver = SCENARIO_DRIVER if scenario else PAGEDKV_DRIVER
                     extra = ["--impl", "pagedkv"] if scenario else []
                     if impl == "pagedkv_batched":
                         extra.append("--batched-decode")
-                    result = run_driver(args.pagedkv_python, driver, argv_w + extra, env,
-                                        args.clock)
+                    result = run_driver(
+                        args.pagedkv_python, driver, argv_w + extra, env, args.clock
+                    )
                 runs[impl].append(result)
             for impl in runs:
                 if impl != "vllm":
@@ -359,7 +487,10 @@ def main(argv: list[str] | None = None) -> int:
             stats["request_block_digests"] = len(runs["vllm"][0]["request_block_digests"])
         print_table(name, argv_w, summary, best, stats)
         record["workloads"][name] = {
-            "args": argv_w, "workload_stats": stats, "median": summary, "best": best,
+            "args": argv_w,
+            "workload_stats": stats,
+            "median": summary,
+            "best": best,
             "runs": runs,
         }
     record["machine"]["loadavg_end"] = os.getloadavg()
@@ -367,8 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else default_out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
-    print(f"\nloadavg start {record['machine']['loadavg_start']} end "
-          f"{record['machine']['loadavg_end']} ({os.cpu_count()} CPUs); JSON: {out}")
+    print(
+        f"\nloadavg start {record['machine']['loadavg_start']} end "
+        f"{record['machine']['loadavg_end']} ({os.cpu_count()} CPUs); JSON: {out}"
+    )
     return 0
 
 

@@ -31,6 +31,11 @@ class MissingDependencyError(PagedKVError, ImportError):
     """An optional extra is needed for the feature asked for."""
 
 
+def install_hint(extra: str) -> str:
+    """How to install an extra: from a package index, and from a clone of the repository."""
+    return f"pip install 'pagedkv[{extra}]' (in a clone: pip install -e '.[{extra}]')"
+
+
 class RequestStateError(PagedKVError, ValueError):
     """The request is in a state that forbids the call (finished, reused id, stale hit)."""
 

@@ -21,6 +21,7 @@ from pagedkv.errors import (
     InvalidTypeError,
     MissingDependencyError,
     UnknownHashAlgorithmError,
+    install_hint,
 )
 
 
@@ -227,7 +228,7 @@ class BlockHasher:
                 import xxhash
             except ImportError as exc:
                 raise MissingDependencyError(
-                    "hash algorithm 'xxh3_128' needs xxhash: pip install 'pagedkv[hashing]'"
+                    f"hash algorithm 'xxh3_128' needs xxhash: {install_hint('hashing')}"
                 ) from exc
             self._digest_packed = xxhash.xxh3_128_digest
             root_input = ENCODING_VERSION + block_size.to_bytes(4, "little") + self.seed.encode()
@@ -330,7 +331,7 @@ def _cbor2() -> Any:
         import cbor2
     except ImportError as exc:
         raise MissingDependencyError(
-            "hash algorithm 'sha256_cbor' needs cbor2: pip install 'pagedkv[hashing]'"
+            f"hash algorithm 'sha256_cbor' needs cbor2: {install_hint('hashing')}"
         ) from exc
     return cbor2
 

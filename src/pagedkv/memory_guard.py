@@ -33,6 +33,8 @@ POLICY_BYTES_PER_BLOCK = {
     "s3fifo": 300,
     "arc": 40,
     "cost": 120,
+    "continuation": 50,
+    "hazard": 60,
     "belady": 100,
 }
 # The belady oracle, per block use of the trace (the key lists it keeps).

@@ -242,7 +242,7 @@ def test_a_prompt_longer_than_max_model_len_is_rejected_from_its_length(capsys, 
         '{"input_length": 2000000000, "output_length": 1}\n'
         '{"input_length": 100, "output_length": 2, "timestamp": 5}\n'
     )
-    code, out, _ = run_cli(capsys, "simulate", "--trace", str(trace), "--json")
+    code, out, _ = run_cli(capsys, "simulate", "--mode", "serve", "--trace", str(trace), "--json")
     assert code == 0
     results = json.loads(out)["results"]
     assert (results["num_requests_completed"], results["num_requests_rejected"]) == (1, 1)
@@ -251,7 +251,9 @@ def test_a_prompt_longer_than_max_model_len_is_rejected_from_its_length(capsys, 
 def test_arrival_times_beyond_exact_float_seconds_are_refused(capsys, tmp_path):
     trace = tmp_path / "late.jsonl"
     trace.write_text('{"input_length": 10, "output_length": 1, "timestamp": 1e12}\n')
-    code, out, err = run_cli(capsys, "simulate", "--trace", str(trace), "--time-scale", "1000")
+    code, out, err = run_cli(
+        capsys, "simulate", "--mode", "serve", "--trace", str(trace), "--time-scale", "1000"
+    )
     assert code == 2 and out == ""
     assert one_error_line(err) == (
         "pagedkv simulate: error: the last request arrives at 1e+12 s (time scale 1000); "
@@ -307,7 +309,7 @@ def test_events_listen_without_pyzmq_names_the_extra():
     assert result.returncode == 2 and result.stdout == ""
     assert one_error_line(result.stderr) == (
         "pagedkv events: error: pagedkv events listen needs pyzmq (the [events] extra): "
-        "pip install 'pagedkv[events]'"
+        "pip install 'pagedkv[events]' (in a clone: pip install -e '.[events]')"
     )
 
 

@@ -52,7 +52,7 @@ def test_listen_prints_one_line_per_event_with_replayed_gap(capsys):
         "seq=1 BlockRemoved group=0 medium=GPU hashes=[0000000000000abc]",
         "seq=2 AllBlocksCleared",
     ]
-    assert "3 batches; gaps 1, replayed 2" in err
+    assert "3 batches; gaps 1, replayed 3" in err  # the replay answer holds batch 2 too
 
 
 def test_listen_exits_cleanly_on_ctrl_c():

@@ -20,7 +20,7 @@ from tests.support.paths import SRC_DIR as SRC
 from tests.support.redis_server import import_redis, redis_server  # noqa: F401 - fixture
 
 # Far more work than a test waits for: 20,000 chat requests.
-LONG_SERVE = ("--workload", "chat", "--num-requests", "20000", "--rate", "20")
+LONG_SERVE = ("--mode", "serve", "--workload", "chat", "--num-requests", "20000", "--rate", "20")
 LONG_REPLAY = ("--mode", "replay", "--workload", "chat", "--num-requests", "20000", "--jobs", "2")
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 

@@ -127,7 +127,9 @@ def test_unsorted_trace_warns_on_stderr(capsys, tmp_path):
 
 def test_usage_errors(capsys):
     # Several serve capacities are a sweep (tests/cli/test_simulate_sweep.py); unlimited is not.
-    code, _, err = run_cli(capsys, "--trace", TRACE, "--capacity", "100,unlimited")
+    code, _, err = run_cli(
+        capsys, "--mode", "serve", "--trace", TRACE, "--capacity", "100,unlimited"
+    )
     assert code == 2 and "serve cells take finite capacities" in err
     assert run_cli(capsys, "--mode", "replay", "--profile", "llama3.1-8b-h100")[0] == 2
     # A small pool lowers the default max_model_len; longer prompts are rejected, not fatal.

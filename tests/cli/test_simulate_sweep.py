@@ -109,5 +109,8 @@ def test_refusals_are_one_line(capsys, argv, message):
 def test_scheduler_vllm_without_vllm_names_the_extra_before_any_work(capsys):
     code, out, err = run_cli(capsys, "--mode", "serve", "--scheduler", "vllm")
     assert code == 2 and out == ""
-    expected = "--scheduler vllm needs vLLM 0.33: pip install 'pagedkv[vllm]'"
+    expected = (
+        "--scheduler vllm needs vLLM 0.33: pip install 'pagedkv[vllm]' "
+        "(in a clone: pip install -e '.[vllm]')"
+    )
     assert err == f"pagedkv simulate: error: {expected}\n"

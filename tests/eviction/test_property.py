@@ -151,3 +151,26 @@ def test_host_tier_keeps_invariants(policy):
     config = policy_config(policy, host_num_blocks=8)
     machine = type(f"HostTierMachine_{policy}", (HostTierMachine,), {"EVICTION": config})
     run_machine(machine, min_steps=250, max_examples=10)
+
+
+class LookaheadMachine(RetentionMachine):
+    """Waiting requests are registered with the look-ahead (and dropped) at random points."""
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def register_waiting(self, data):
+        self.manager.add_waiting(data.draw(st.sampled_from(self.waiting)))
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def unregister_waiting(self, data):
+        self.manager.remove_waiting(data.draw(st.sampled_from(self.waiting)))
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "continuation", "hazard"])
+@pytest.mark.parametrize("retention", [False, True])
+def test_the_lookahead_keeps_invariants(policy, retention):
+    CLOCK.now_s = 0.0
+    config = policy_config(policy, lookahead=True, retention=retention, clock=CLOCK)
+    machine = type(f"LookaheadMachine_{policy}", (LookaheadMachine,), {"EVICTION": config})
+    run_machine(machine, min_steps=250, max_examples=10)

@@ -47,15 +47,16 @@ def child_env() -> dict[str, str]:
 class Publisher:
     """An instance process (tests/support/router_publisher.py) on fixed ports, restartable."""
 
-    def __init__(self, instance_id: str, fmt: str) -> None:
-        self.instance_id, self.format = instance_id, fmt
+    def __init__(self, instance_id: str, fmt: str, host: str = "127.0.0.1") -> None:
+        self.instance_id, self.format, self.host = instance_id, fmt, host
         self.pub_port, self.replay_port = free_port(), free_port()
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
         self.process = subprocess.Popen(
             [sys.executable, str(SUPPORT / "router_publisher.py"), str(self.pub_port),
-             str(self.replay_port), self.format, ALGORITHM],
+             str(self.replay_port), self.format, ALGORITHM,
+             "[::1]" if self.host == "[::1]" else "*"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(),
         )  # fmt: skip
         assert json.loads(self.process.stdout.readline()) == {"ready": True}
@@ -89,8 +90,8 @@ class Publisher:
     def table(self) -> dict:
         return {
             "id": self.instance_id,
-            "endpoint": f"tcp://127.0.0.1:{self.pub_port}",
-            "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}",
+            "endpoint": f"tcp://{self.host}:{self.pub_port}",
+            "replay_endpoint": f"tcp://{self.host}:{self.replay_port}",
             "format": self.format,
         }
 
@@ -154,8 +155,11 @@ class Service:
 
 
 def true_length(tokens: list[int], cached: set[int]) -> int:
+    """Blocks an engine would reuse: its cached run, at most (len - 1) // block_size (vLLM
+    computes the last prompt token again)."""
     depth = 0
-    for block_hash in Request("q", tokens, block_hasher=HASHER).block_hashes:
+    hashes = Request("q", tokens, block_hasher=HASHER).block_hashes
+    for block_hash in hashes[: (len(tokens) - 1) // BLOCK_SIZE]:
         if to_external_hash(block_hash) not in cached:
             break
         depth += 1
@@ -214,9 +218,16 @@ def test_scores_routes_and_publisher_restarts(tmp_path, publishers):
         status, released = service.call("/release", {"instance": "p0"})
         assert (status, released) == (200, {"instance": "p0", "in_flight": 0})
 
-        # SIGKILL the pagedkv instance, restart it empty on the same ports.
+        # SIGKILL the pagedkv instance: at once not scored, not routed to; ready (v1 serves).
         p0.kill()
-        service.wait_for(lambda h: not h["instances"]["p0"]["connected"], "p0 disconnected")
+        health = service.wait_for(lambda h: h["instances"]["p0"]["down"], "p0 down")
+        assert health["instances"]["p0"]["safe"] is False and health["ready"] is True
+        for tokens in prompts:
+            status, answer = service.call("/score", {"token_ids": tokens})
+            assert answer["scores"]["p0"]["blocks"] == 0
+            assert answer["scores"]["p0"]["excluded"] == "disconnected"
+            _, decision = service.call("/route", {"token_ids": tokens, "loads": {}})
+            assert decision["instance"] == "v1"
         p0.start()
         service.wait_for(lambda h: h["instances"]["p0"]["connected"], "p0 reconnected")
         for tokens in workload(3, 5):
@@ -261,7 +272,7 @@ def test_redis_outage_falls_back_then_recovers_exactly(tmp_path, publishers):
         assert_scores_match(service, publishers, prompts)
 
         redis.kill()
-        for n, tokens in enumerate(prompts[6:]):  # events the router must drop
+        for n, tokens in enumerate(prompts[6:]):  # events Redis misses, the router keeps
             (p0 if n % 2 else v1).admit(tokens)
         status, decision = service.call("/route", {"token_ids": prompts[-1], "loads": {}})
         assert status == 200 and decision["fallback"] is True, decision
@@ -269,28 +280,59 @@ def test_redis_outage_falls_back_then_recovers_exactly(tmp_path, publishers):
         assert service.call("/score", {"token_ids": prompts[0]})[0] == 503
         assert service.call("/ready")[0] == 503
 
-        redis.start()  # empty: the router claims it and resynchronises
+        redis.start()  # empty: the router claims it and rebuilds it from its own copy
         health = service.wait_for(lambda h: h["recoveries"] == 1, "the recovery")
-        # p0 answered a snapshot (exact); v1, like vLLM, cannot: cleared, not ready.
+        # Both exact, the vLLM-format one too (it answers no snapshot: nothing was asked).
         assert health["instances"]["p0"]["exact"] is True
-        assert health["instances"]["v1"]["exact"] is False and health["ready"] is False
-        truth = {p.instance_id: p.contents()[0] for p in publishers}
-        for tokens in prompts:
-            _, answer = service.call("/score", {"token_ids": tokens})
-            assert answer["scores"]["p0"]["blocks"] == true_length(tokens, truth["p0"])
-            assert answer["scores"]["v1"]["blocks"] <= true_length(tokens, truth["v1"])
+        assert health["instances"]["v1"]["exact"] is True and health["ready"] is True
+        assert health["instances"]["v1"]["snapshots"] == 0
+        service.caught_up(publishers)
+        assert_scores_match(service, publishers, prompts)
     finally:
         service.stop()
         redis.stop()
 
 
+def test_ipv6_endpoints_and_ready_only_once_every_instance_connected(tmp_path):
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    p0, v1 = Publisher("p0", "pagedkv", "[::1]"), Publisher("v1", "vllm", "[::1]")
+    p0.start()
+    service = Service(tmp_path, [p0, v1])  # v1 is not up yet
+    try:
+        health = service.wait_for(lambda h: h["instances"]["p0"]["connected"], "p0")
+        assert service.call("/ready")[0] == 503
+        assert health["instances"]["v1"]["down"] == "not connected yet"
+        v1.start()
+        service.wait_for(lambda h: h["ready"], "ready once v1 connected")
+        prompts = workload(7)
+        for n, tokens in enumerate(prompts):
+            (p0 if n % 2 else v1).admit(tokens)
+        service.caught_up([p0, v1])
+        assert_scores_match(service, [p0, v1], prompts)
+    finally:
+        service.stop()
+        p0.stop()
+        v1.stop()
+
+
 def test_bad_requests_and_bad_configuration_are_clear(tmp_path, publishers):
     service = Service(tmp_path, publishers[:1])
     try:
-        assert service.call("/score", {"tokens": [1]}) == (
+        assert service.call("/score", {"instances": ["p0"]}) == (
             400,
-            {"error": "the body needs 'token_ids' (a list of ints) or 'text'"},
+            {
+                "error": "the body needs 'token_ids' (a list of ints) or 'text'",
+                "field": "token_ids",
+            },
         )
+        status, answer = service.call("/release", {"instance": ["p0"]})  # the issue's 500
+        assert (status, answer["field"]) == (400, "instance")
         status, answer = service.call("/score", {"text": "hello"})
         assert status == 400 and "--tokenizer" in answer["error"]
         status, answer = service.call("/route", {"token_ids": [1, 2], "policy": "random"})
@@ -311,6 +353,13 @@ def test_bad_requests_and_bad_configuration_are_clear(tmp_path, publishers):
         capture_output=True, text=True, env=child_env(), timeout=60,
     )  # fmt: skip
     assert bad.returncode == 2 and "ID=ENDPOINT" in bad.stderr
+    for endpoint in ("tcp://::1:5557", "tcp://[::1]:x", "udp://h:1"):
+        bad = subprocess.run(
+            [sys.executable, "-m", "pagedkv", "router", "serve", "--instance", f"a={endpoint}"],
+            capture_output=True, text=True, env=child_env(), timeout=60,
+        )  # fmt: skip
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+        assert repr(endpoint) in bad.stderr
 
 
 def test_simulate_through_the_service_equals_the_in_process_router(tmp_path, capsys):

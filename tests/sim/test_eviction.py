@@ -137,6 +137,29 @@ def test_serve_waits_for_host_loads_and_charges_the_pcie_time():
     assert slow["ttft_s"]["mean"] > fast["ttft_s"]["mean"]
 
 
+def test_serve_with_the_lookahead_and_session_policies():
+    """Under a queue the look-ahead holds back blocks waiting requests will hit; every session
+    policy serves the trace to the end, deterministically."""
+    trace = load_trace(TRACE)
+    summaries = {}
+    for eviction, lookahead in (("lru", False), ("lru", True), ("continuation", True),
+                                ("hazard", False), ("hazard", False)):  # fmt: skip
+        run = ServeRun(
+            trace,
+            serve_config(eviction=eviction, lookahead=lookahead, time_scale=0.05),
+        )
+        run.run(None)
+        run.scheduler.check_invariants()
+        summary = run.summary()
+        assert summary["num_requests_completed"] + summary["num_requests_rejected"] == 46
+        stats = run.manager.get_eviction_stats()
+        assert stats.policy == eviction
+        assert (stats.num_lookahead_protections > 0) == lookahead
+        assert stats.num_protected_blocks == 0 or lookahead
+        summaries.setdefault((eviction, lookahead), []).append(summary)
+    assert summaries[("hazard", False)][0] == summaries[("hazard", False)][1]
+
+
 def test_belady_is_refused_in_serve_mode():
     with pytest.raises(ValueError, match="belady needs the future"):
         serve_config(eviction="belady")
@@ -192,6 +215,11 @@ def test_cli_text_table_and_serve_with_a_host_tier(capsys):
     assert report["config"]["host_num_blocks"] == 62_500
     results = report["results"]
     assert results["num_requests_completed"] + results["num_requests_rejected"] == 20
+    code, out, _ = run_cli(
+        capsys, "--trace", TRACE, "--num-requests", "20", "--eviction", "hazard",
+        "--lookahead", "--capacity", "600",
+    )  # fmt: skip
+    assert code == 0 and "hazard with the waiting-queue look-ahead" in out
 
 
 @pytest.mark.parametrize(
@@ -203,6 +231,7 @@ def test_cli_text_table_and_serve_with_a_host_tier(capsys):
         (("--mode", "replay", "--eviction", "lru", "--capacity", "unlimited"), "unlimited"),
         (("--mode", "replay", "--host-capacity", "1,2"), "one finite size"),
         (("--eviction", "lfu", "--no-prefix-caching"), "need prefix caching"),
+        (("--mode", "replay", "--lookahead"), "--lookahead is for --mode serve"),
     ],
 )
 def test_cli_mistakes_get_one_clear_line(capsys, argv, message):

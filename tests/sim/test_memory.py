@@ -144,16 +144,73 @@ def test_memory_mode_usage_errors(capsys):
 def test_options_other_than_output_select_serve(capsys):
     code, out, _ = run_cli(capsys, "--trace", str(TRACE), "--capacity", "3000", "--json")
     assert code == 0 and json.loads(out)["mode"] == "serve"
+    code, out, _ = run_cli(capsys, "--trace", str(TRACE), "--instances", "2", "--json")
+    assert code == 0 and json.loads(out)["mode"] == "cluster"
+
+
+def test_a_trace_alone_keeps_the_memory_study(capsys):
+    """`--trace FILE` (and the workload, scheduler and size options) keep the main job."""
+    args = ("--trace", str(TRACE), "--num-requests", "12", "--max-num-seqs", "64", "--json")
+    code, out, _ = run_cli(capsys, *args)
+    report = json.loads(out)
+    assert code == 0 and report["mode"] == "memory"
+    assert report["trace"]["num_requests"] == 12
+    assert report["config"]["scheduler"]["max_num_seqs"] == 64
+    assert len(report["results"]) == 4  # the four default sizes
+    code, out, _ = run_cli(capsys, *args[:4], "--capacity", "2000,4000", "--json")
+    assert [r["num_blocks"] for r in json.loads(out)["results"]] == [2000, 4000]
 
 
 @pytest.mark.timeout(300)
 def test_no_argument_run_is_the_memory_study(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "80")  # an 80-column terminal: the table fits, uncut
     code, out, err = run_cli(capsys)
-    out = " ".join(out.split())  # the table may wrap long lines
+    lines = out.splitlines()
     assert code == 0
+    assert max(map(len, lines)) <= 80 and "…" not in out
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["KV", "memory"])
+    assert lines[header].split() == "KV memory KV hit TTFT TTFT TPOT e2e pre- re-".split()
+    assert (
+        lines[header + 1].split()
+        == "GiB tokens rate % p50 s p90 s p50 ms p50 s empted jected".split()
+    )
+    rows = [line.split() for line in lines[header + 3 : header + 7]]
+    assert [row[:2] for row in rows] == [
+        ["12.6", "102,880"], ["25.1", "205,760"], ["50.2", "411,520"], ["100.5", "823,040"]
+    ]  # fmt: skip
+    assert all(len(row) == 9 for row in rows)  # every number whole, one per column
+    out = " ".join(out.split())  # the notes wrap at 80 columns
     assert "pagedkv simulate (memory): mooncake_conversation_sample.jsonl: 300 requests" in out
-    for needle in ("KV memory", "TTFT p50", "50.2 GiB", "answer", "simulator speed"):
+    for needle in ("answer 50.2 GiB", "simulator speed"):
         assert needle in out
     if (tmp_path / "pagedkv-memory.png").exists():
         assert "plot pagedkv-memory.png" in out and "wrote pagedkv-memory.png" in err
+
+
+def test_the_plot_shows_hit_rate_from_zero_ttft_counts_and_the_answer(capsys):
+    pytest.importorskip("matplotlib")
+    from pagedkv.sim.report.plot import _pyplot, memory_figure
+
+    code, out, _ = run_cli(capsys, "--trace", str(TRACE), "--num-requests", "20", "--json")
+    assert code == 0
+    report = json.loads(out)
+    results = report["results"]
+    plt = _pyplot()
+    figure = memory_figure(report, plt)
+    try:
+        hit_axes, ttft_axes, count_axes = figure.axes
+        assert hit_axes.get_ylim()[0] == 0 and ttft_axes.get_ylim()[0] == 0  # honest axes
+        hit_line = hit_axes.get_lines()[0]
+        assert list(hit_line.get_ydata()) == [100 * r["hit_rate"] for r in results]
+        assert [line.get_label() for line in ttft_axes.get_lines()][:2] == ["TTFT p50", "TTFT p90"]
+        heights = [round(patch.get_height()) for patch in count_axes.patches]
+        preempted = [r["num_preemptions"] for r in results]
+        rejected = [r["num_requests_rejected"] for r in results]
+        assert heights == preempted + rejected
+        answer = next(r for r in results if r["num_blocks"] == report["needs_num_blocks"])
+        for axes in figure.axes:
+            marks = [line for line in axes.get_lines() if line.get_label() == "answer"]
+            assert [line.get_xdata()[0] for line in marks] == [answer["kv_memory_bytes"] / 2**30]
+    finally:
+        plt.close(figure)

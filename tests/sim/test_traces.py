@@ -157,3 +157,97 @@ def test_an_empty_trace_is_an_error(tmp_path):
     with warnings.catch_warnings():
         with pytest.raises(TraceFormatError, match="no requests"):
             load_trace(path)
+
+
+def test_mooncake_sessions_are_derived_from_prefix_extension(tmp_path):
+    """A request extending all full blocks (>= 2) of an earlier one is its next turn; the
+    first extender wins; one shared block alone (a system prompt) is no session."""
+    records = [
+        # S1: 3 full blocks + a partial one.
+        {"timestamp": 0, "input_length": 1600, "output_length": 3, "hash_ids": [1, 2, 3, 4]},
+        # Only block 1 in common: a session of its own (S2), 2 full blocks.
+        {"timestamp": 1, "input_length": 1100, "output_length": 3, "hash_ids": [1, 5, 6]},
+        # Extends S1's full blocks 1 2 3: turn 1 of S1 (its output moved into block 7).
+        {"timestamp": 2, "input_length": 2100, "output_length": 3, "hash_ids": [1, 2, 3, 7, 8]},
+        # Extends S1's first turn again: a retry, a session of its own (S4).
+        {"timestamp": 3, "input_length": 2000, "output_length": 3, "hash_ids": [1, 2, 3, 9]},
+        # Extends turn 1 (full blocks 1 2 3 7): turn 2 of S1.
+        {
+            "timestamp": 4,
+            "input_length": 3000,
+            "output_length": 3,
+            "hash_ids": [1, 2, 3, 7, 10, 11],
+        },
+        # Extends S2's full blocks 1 5: S2's turn 1.
+        {"timestamp": 5, "input_length": 1600, "output_length": 3, "hash_ids": [1, 5, 12, 13]},
+        # Explicit session ids win over the derivation.
+        {
+            "timestamp": 6,
+            "input_length": 2100,
+            "output_length": 3,
+            "hash_ids": [1, 2, 3, 7, 14],
+            "session_id": 42,
+            "turn_index": 5,
+        },
+    ]
+    trace = load_trace(write_jsonl(tmp_path / "sessions.jsonl", records))
+    assert [(r.session_id, r.turn_index) for r in trace.requests] == [
+        ("S1", 0),
+        ("S2", 0),
+        ("S1", 1),
+        ("S4", 0),
+        ("S1", 2),
+        ("S2", 1),
+        ("42", 5),
+    ]
+    again = load_trace(write_jsonl(tmp_path / "again.jsonl", records))
+    assert again.requests == trace.requests  # deterministic
+
+
+def test_records_without_hash_ids_have_no_session_unless_given(tmp_path):
+    trace = load_trace(
+        write_jsonl(
+            tmp_path / "plain.jsonl",
+            [
+                {"input_length": 10, "output_length": 1},
+                {"prompt_token_ids": [1, 2], "output_length": 1, "session_id": "chat-1"},
+            ],
+        )
+    )
+    assert [(r.session_id, r.turn_index) for r in trace.requests] == [(None, 0), ("chat-1", 0)]
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "message"),
+    [
+        ('"session_id": [1]', "session_id", "expected a string or an int"),
+        ('"session_id": true', "session_id", "expected a string or an int"),
+        ('"session_id": "a", "turn_index": -1', "turn_index", ">= 0"),
+    ],
+)
+def test_bad_session_fields_name_the_line(tmp_path, extra, field, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"input_length": 10, "output_length": 1, ' + extra + "}\n")
+    with pytest.raises(TraceFormatError, match=message) as info:
+        load_trace(path)
+    assert info.value.field == field and info.value.line_number == 1
+
+
+def test_shipped_mooncake_traces_get_sessions(tmp_path):
+    """The rule on the shipped conversation trace's first 46 conversations (tests/data)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "data" / "mooncake_conversations46.jsonl"
+    trace = load_trace(path)
+    sessions = {r.session_id for r in trace.requests}
+    turns = [r.turn_index for r in trace.requests]
+    assert len(trace.requests) > len(sessions) > 1 and max(turns) >= 1
+    # A next turn's prompt starts with all its previous turn's full blocks.
+    by_session: dict[str, list] = {}
+    for request in trace.requests:
+        by_session.setdefault(request.session_id, []).append(request)
+    for turns_of in by_session.values():
+        for before, after in zip(turns_of, turns_of[1:], strict=False):
+            num_full = before.num_prompt_tokens // 512 * 512
+            assert after.prompt_token_ids()[:num_full] == before.prompt_token_ids()[:num_full]
+            assert after.turn_index == before.turn_index + 1

@@ -1,7 +1,7 @@
 """Test helper, run as a process: one engine instance (a real KVCacheManager) publishing its KV
 events over ZeroMQ on fixed loopback ports, driven by JSON lines on stdin, answering on stdout.
 
-    python tests/support/router_publisher.py PUB_PORT REPLAY_PORT FORMAT HASH_ALGORITHM
+    python tests/support/router_publisher.py PUB_PORT REPLAY_PORT FORMAT HASH_ALGORITHM [HOST]
 
 FORMAT is pagedkv or vllm.
 
@@ -35,12 +35,16 @@ NUM_BLOCKS = 24
 
 def main() -> None:
     pub_port, replay_port, fmt, algorithm = sys.argv[1:5]
+    host = sys.argv[5] if len(sys.argv) > 5 else "*"
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype_bytes=2)
     config = KVCacheConfig(NUM_BLOCKS, [KVCacheGroupSpec(["l0"], spec)])
     manager = KVCacheManager(config, max_model_len=256, enable_kv_cache_events=True)
     hasher = make_request_block_hasher(BLOCK_SIZE, algorithm)
     publisher = ZmqEventPublisher(
-        f"tcp://*:{pub_port}", f"tcp://*:{replay_port}", track_state=fmt == "pagedkv"
+        f"tcp://{host}:{pub_port}",
+        f"tcp://{host}:{replay_port}",
+        track_state=fmt == "pagedkv",
+        bind=True,
     )
     print(json.dumps({"ready": True}), flush=True)
     count = 0

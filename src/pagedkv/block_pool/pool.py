@@ -505,6 +505,7 @@ class BlockPool:
         """The eviction policy's name and the retention and host-tier counters."""
         policy = self.eviction_policy
         retention = policy.retention if policy is not None else None
+        lookahead = policy.lookahead if policy is not None else None
         host = self.host_tier
         return EvictionStats(
             self.eviction_config.policy,
@@ -515,6 +516,8 @@ class BlockPool:
             host.num_demoted_blocks if host is not None else 0,
             host.num_evicted_blocks if host is not None else 0,
             host.num_promoted_blocks if host is not None else 0,
+            lookahead.num_protected_blocks if lookahead is not None else 0,
+            lookahead.num_protections if lookahead is not None else 0,
         )
 
     def num_cached_blocks(self) -> int:

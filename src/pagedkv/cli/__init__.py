@@ -1,7 +1,8 @@
 """CLI: `pagedkv <command>`. Thin layer; each command lives in its own module of this package
 (or its own subpackage, as `simulate/` does; `_checks` holds the argument types they share).
 
-A command module defines `COMMAND` (its name), `HELP` (one line), `add_arguments(parser)` and
+A command module defines `COMMAND` (its name), `HELP` (one line), `EXAMPLES` (command lines
+shown at the end of its --help), `add_arguments(parser)` and
 `run(args) -> int`, and imports only the standard library at module level (heavy optional
 imports go inside `run`), so `pagedkv --help` stays fast and works without extras.
 
@@ -20,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from pagedkv.cli._checks import examples_epilog
 from pagedkv.cli._shutdown import BROKEN_PIPE_EXIT, exit_code, interrupted, raise_on_signals, say
 from pagedkv.errors import PagedKVError
 
@@ -58,7 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _command_modules():
-        sub = subparsers.add_parser(module.COMMAND, help=module.HELP, description=module.HELP)
+        sub = subparsers.add_parser(
+            module.COMMAND,
+            help=module.HELP,
+            description=module.HELP,
+            epilog=examples_epilog(*module.EXAMPLES),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(sub)
         sub.set_defaults(_run=module.run)
     return parser

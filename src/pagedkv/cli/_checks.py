@@ -71,14 +71,14 @@ def float_in(
 
 def require_extra(extra: str, feature: str) -> None:
     """Raise `MissingDependencyError` unless every module of `extra` can be imported."""
-    from pagedkv.errors import MissingDependencyError
+    from pagedkv.errors import MissingDependencyError, install_hint
 
     missing = [name for name in _EXTRA_MODULES[extra] if not _importable(name)]
     if missing:
         raise MissingDependencyError(
             f"{feature} needs {', '.join(_MODULE_TO_PACKAGE.get(m, m) for m in missing)} "
             f"(the [{extra}] extra): "
-            f"pip install 'pagedkv[{extra}]'"
+            f"{install_hint(extra)}"
         )
 
 
@@ -132,3 +132,8 @@ def check_plot_file(path_text: str) -> Path:
     from matplotlib.backend_bases import FigureCanvasBase
 
     return check_output_file("--plot", path_text, FigureCanvasBase.get_supported_filetypes())
+
+
+def examples_epilog(*commands: str) -> str:
+    """The "examples:" block at the end of a command's --help (shown as written)."""
+    return "examples:\n" + "\n".join(f"  {command}" for command in commands)

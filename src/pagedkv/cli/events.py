@@ -9,20 +9,29 @@ import sys
 import time
 from typing import Any
 
-from pagedkv.cli._checks import float_in, int_at_least, require_extra
+from pagedkv.cli._checks import examples_epilog, float_in, int_at_least, require_extra
 
 COMMAND = "events"
 HELP = "KV-cache events on the wire: listen to a publisher."
+EXAMPLES = (
+    "pagedkv events listen tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558",
+    "pagedkv events listen tcp://127.0.0.1:5557 --max-batches 10 --timeout-s 30",
+)
 # ZeroMQ endpoints a subscriber can connect to: tcp://host:port, ipc://path, inproc://name.
 _ENDPOINT = re.compile(r"^(?:tcp://(?:\[[0-9A-Fa-f:.]+\]|[^\s:/]+):\d{1,5}|(?:ipc|inproc)://\S+)$")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="events_command", metavar="SUBCOMMAND")
-    listen = sub.add_parser("listen", help="print decoded events live (Ctrl-C to stop)")
+    listen = sub.add_parser(
+        "listen",
+        help="print decoded events live (Ctrl-C to stop)",
+        epilog=examples_epilog(*EXAMPLES),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     listen.add_argument("endpoint", help="the publisher's PUB endpoint, e.g. tcp://127.0.0.1:5557")
     listen.add_argument("--replay", metavar="ENDPOINT", help="its replay endpoint, for gaps")
-    listen.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
+    listen.add_argument("--topic", default="", help="topic prefix to subscribe to (default all)")
     listen.add_argument(
         "--max-batches", type=int_at_least(1), default=None, help="exit after this many batches"
     )

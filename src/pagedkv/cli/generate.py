@@ -15,9 +15,23 @@ import sys
 from pathlib import Path
 
 COMMAND = "generate"
-HELP = "generate tokens with a local Hugging Face model whose KV cache lives in pagedkv blocks"
+HELP = "Generate tokens with a local Hugging Face model whose KV cache lives in pagedkv blocks."
+EXAMPLES = (
+    'pagedkv generate --model tiny-llama --block-size 4 --max-tokens 8 --prompt "10 11 12 13"',
+    'pagedkv generate --model path/to/checkpoint --dtype bf16 --device cuda --prompt "Hello"',
+)
 
 _DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The spellings `pagedkv size` takes too (pagedkv.sizing.DTYPE_TO_BYTES), for the same dtypes.
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def _dtype(text: str) -> str:
+    """A dtype name, any of the shared spellings: float32/fp32, bfloat16/bf16, float16/fp16."""
+    name = text.lower().removeprefix("torch.")
+    return _DTYPE_ALIASES.get(name, name)
+
+
 _BACKENDS = ("auto", "sdpa", "triton", "reference")
 _DEVICE_TYPES = ("cpu", "cuda", "mps")
 
@@ -37,32 +51,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "repeat for a batch",
     )
     parser.add_argument("--token-ids", action="store_true", help="prompts are token ids")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (16)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=16, help="tokens to generate (default 16)"
+    )
     parser.add_argument(
         "--ignore-eos", action="store_true", help="do not stop at the model's EOS token(s)"
     )
     parser.add_argument("--seed", type=int, default=0, help="weights (config only) and sampling")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--block-size", type=int, default=16, help="tokens a KV block (16)")
     parser.add_argument(
-        "--num-blocks", type=int, default=None, help="KV blocks (default: enough for the batch)"
+        "--temperature", type=float, default=0.0, help="0 is greedy sampling (default 0)"
     )
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the smallest set of tokens whose probabilities add up to "
+        "P (default 1: all)",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV block (default 16)"
+    )
+    parser.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks (default enough for the batch)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens one step computes, prompts chunked to fit (default 2048)",
+    )
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not reuse the KV blocks of shared prompt prefixes",
+    )
     parser.add_argument(
         "--hybrid-kv-cache",
         action="store_true",
         help="give sliding-window layers their own KV-cache group (blocks behind the window "
         "are freed) instead of managing a mixed model as full attention",
     )
-    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
-    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
+    parser.add_argument(
+        "--dtype",
+        type=_dtype,
+        choices=tuple(_DTYPES),
+        default="float32",
+        help="weights and KV cache: float32 (fp32), bfloat16 (bf16) or float16 (fp16) "
+        "(default float32)",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default cpu)")
     parser.add_argument(
         "--attention-backend",
         choices=_BACKENDS,
         default="auto",
-        help="auto (default): triton on a GPU when installed, else sdpa",
+        help="triton on a GPU when installed, else sdpa (default auto)",
     )
     parser.add_argument(
         "--no-cuda-graphs", action="store_true", help="run decode steps eagerly on a GPU"
@@ -123,7 +165,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def _import_extras():
-    from pagedkv.errors import MissingDependencyError
+    from pagedkv.errors import MissingDependencyError, install_hint
 
     try:
         import torch
@@ -131,7 +173,7 @@ def _import_extras():
     except ImportError as exc:
         raise MissingDependencyError(
             f"`pagedkv generate` needs PyTorch and transformers ({exc}): "
-            "install the [torch] extra, pip install 'pagedkv[torch]'"
+            f"install the [torch] extra, {install_hint('torch')}"
         ) from exc
     return torch
 
@@ -319,9 +361,16 @@ def _report(args: argparse.Namespace, engine, outputs, tokenizer) -> int:
         print(f"  -> {result['output_token_ids']} ({result['finish_reason']})")
         if "text" in result:
             print(f"  text: {result['text']!r}")
+    counts = [
+        (len(results), "request"),
+        (summary["steps"], "step"),
+        (summary["num_blocks"], "block"),
+    ]
+    done = ", ".join(f"{n} {noun}{'s' if n != 1 else ''}" for n, noun in counts)
+    preemptions = summary["preemptions"]
     print(
-        f"{len(results)} requests, {summary['steps']} steps, {summary['num_blocks']} blocks of "
-        f"{args.block_size} tokens, {summary['prefix_hit_tokens']} prefix-hit tokens, "
-        f"{summary['preemptions']} preemptions ({summary['attention_backend']} attention)"
+        f"{done} of {args.block_size} tokens, {summary['prefix_hit_tokens']} prefix-hit tokens, "
+        f"{preemptions} preemption{'s' if preemptions != 1 else ''} "
+        f"({summary['attention_backend']} attention)"
     )
     return 0

@@ -6,14 +6,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedkv.cli._checks import examples_epilog
+
 COMMAND = "router"
 HELP = "KV-aware routing: serve the router over HTTP, fed by instances' KV events."
+EXAMPLES = (
+    "pagedkv router serve --instance-format vllm --hash-algorithm sha256_cbor \\\n"
+    "      --instance gpu0=tcp://gpu0-host:5557,tcp://gpu0-host:5558 --port 8000",
+    "pagedkv router serve --config router.toml",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="router_command", metavar="SUBCOMMAND")
     serve = sub.add_parser(
         "serve",
+        epilog=examples_epilog(*EXAMPLES),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="subscribe to N instances' event streams and answer /score, /route, /health, "
         "/ready, /metrics (docs/router.md)",
     )
@@ -22,9 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--instance",
         action="append",
         default=[],
-        metavar="ID=ENDPOINT[,REPLAY]",
-        help="an instance and its KV event endpoints (repeat; e.g. "
-        "gpu0=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558)",
+        metavar="ID=ENDPOINT[,REPLAY[,HEALTH_URL]]",
+        help="an instance, its KV event endpoints and optionally its health URL (repeat; e.g. "
+        "gpu0=tcp://gpu0-host:5557,tcp://gpu0-host:5558,http://gpu0-host:8000/health; IPv6: "
+        "tcp://[::1]:5557)",
     )
     serve.add_argument(
         "--instance-format",
@@ -35,8 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--block-size", type=int, help="the instances' block size (default 16)")
     serve.add_argument("--hash-algorithm", help="the instances' prefix-cache hash (default sha256)")
-    serve.add_argument("--index", help="memory (default) or redis://HOST:PORT[/DB]")
-    serve.add_argument("--policy", help="prefix-aware (default), least-loaded or round-robin")
+    serve.add_argument("--index", help="memory or redis://HOST:PORT[/DB] (default memory)")
+    serve.add_argument(
+        "--routing-policy",
+        "--policy",  # the older name, kept
+        dest="policy",
+        help="prefix-aware, least-loaded or round-robin (default prefix-aware)",
+    )
     serve.add_argument(
         "--max-load-gap",
         metavar="N|none",
@@ -47,6 +62,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--retry-interval-s", type=float, help="index outage retry interval (default 1)"
     )
+    serve.add_argument(
+        "--replay-timeout-s",
+        type=float,
+        help="replay progress deadline: the wait for each replayed batch (default 1)",
+    )
+    serve.add_argument(
+        "--stale-after-s",
+        type=float,
+        help="an instance with no batch and no heartbeat for this long is down (default 3)",
+    )
+    serve.add_argument(
+        "--grace-s", type=float, help="keep a down instance's entries this long (default 30)"
+    )
+    serve.add_argument("--seed", type=int, help="seed of the random tie-break (default 0)")
     serve.add_argument("--tokenizer", metavar="DIR", help="a local tokenizer, to accept text")
 
 
@@ -94,6 +123,10 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - lazy import of the type
         "host": args.host,
         "port": args.port,
         "retry_interval_s": args.retry_interval_s,
+        "replay_timeout_s": args.replay_timeout_s,
+        "stale_after_s": args.stale_after_s,
+        "grace_s": args.grace_s,
+        "seed": args.seed,
         "tokenizer": args.tokenizer,
     }
     instances = [parse_instance(spec, args.instance_format) for spec in args.instance]

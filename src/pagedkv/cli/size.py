@@ -16,6 +16,10 @@ from typing import Any
 
 COMMAND = "size"
 HELP = "Size the KV cache: groups, block and page sizes, num_blocks, capacity, concurrency."
+EXAMPLES = (
+    "pagedkv size --model llama-3.1-8b --memory 80GiB --max-model-len 32768",
+    "pagedkv size --model path/to/config.json --memory 20GiB --dtype bf16 --json",
+)
 
 # Matches the reference scheduler's default `max_num_batched_tokens`.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -54,9 +58,12 @@ def parse_memory_bytes(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config",
+        "--model",
+        "--config",  # the older name, kept
+        dest="config",
+        metavar="NAME_OR_CONFIG",
         required=True,
-        help="config.json path, model directory, or shipped config name (e.g. llama-3.1-8b)",
+        help="a shipped config name (llama-3.1-8b), a config.json or a model directory",
     )
     parser.add_argument(
         "--memory", required=True, help="KV-cache memory budget: 80GiB, 80GB, 512MiB or bytes"
@@ -65,10 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=int,
         default=None,
-        help="tokens per request (default: the config's max_position_embeddings)",
+        help="tokens per request (default the config's max_position_embeddings)",
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    parser.add_argument("--dtype", default=None, help="KV-cache dtype: bf16, fp16, fp32, fp8")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="KV-cache dtype: bfloat16 (bf16), float16 (fp16), float32 (fp32), fp8 "
+        "(default the config's torch_dtype)",
+    )
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -80,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-encoder-len",
         type=int,
         default=None,
-        help="encoder input tokens of an encoder-decoder model (default: from the config)",
+        help="encoder input tokens of an encoder-decoder model (default from the config)",
     )
     parser.add_argument(
         "--disable-hybrid",

@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import sys
 
-from pagedkv.errors import MissingDependencyError
+from pagedkv.errors import MissingDependencyError, install_hint
 
 try:
     import torch  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(
-        "pagedkv.engine needs PyTorch and transformers: pip install 'pagedkv[torch]'"
+        f"pagedkv.engine needs PyTorch and transformers: {install_hint('torch')}"
     ) from exc
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pagedkv.engine.attention_metadata import AttentionMetadata
 from pagedkv.engine.paged_kv import write_kv_torch
-from pagedkv.errors import InvalidArgumentError, MissingDependencyError
+from pagedkv.errors import InvalidArgumentError, MissingDependencyError, install_hint
 from pagedkv.specs import cdiv
 
 ATTENTION_BACKENDS = ("sdpa", "reference", "triton")
@@ -141,7 +141,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
             from pagedkv.engine import triton_attention
         except ImportError as exc:
             raise MissingDependencyError(
-                f"the triton attention backend needs Triton: pip install 'pagedkv[gpu]' ({exc})"
+                f"the triton attention backend needs Triton: {install_hint('gpu')} ({exc})"
             ) from exc
         return AttentionBackend(
             "triton",

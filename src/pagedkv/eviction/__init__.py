@@ -1,9 +1,11 @@
 """Eviction: which cached free block a pool reuses next, chosen once, at construction.
 
 `lru` (the default) is the pool's own free queue, bit-for-bit the reference's; `lfu`, `s3fifo`,
-`arc` and `cost` are online policies (`pagedkv.eviction.<name>`); `belady` is the offline
-optimum, for replay. Retention hints and a host-memory tier work with every policy. The
-factory lives here, above the policies and the free queue it picks between.
+`arc` and `cost` are online policies on a block's own history (`pagedkv.eviction.<name>`);
+`continuation` and `hazard` also use what a serving system knows of the request that freed the
+blocks (its session, `eviction.sessions`); `belady` is the offline optimum, for replay.
+Retention hints, the waiting-queue look-ahead and a host-memory tier work with every policy.
+The factory lives here, above the policies and the free queue it picks between.
 """
 
 from __future__ import annotations
@@ -19,18 +21,33 @@ from pagedkv.errors import ConfigError
 from pagedkv.eviction.arc import ARCPolicy
 from pagedkv.eviction.base import EvictionPolicy
 from pagedkv.eviction.belady import NEVER, BeladyPolicy, FutureOracle
+from pagedkv.eviction.continuation import ContinuationPolicy
 from pagedkv.eviction.cost import DEFAULT_ATTENTION_CROSSOVER_TOKENS, CostPolicy
 from pagedkv.eviction.host_tier import HostTier
 from pagedkv.eviction.lfu import LFUPolicy
+from pagedkv.eviction.lookahead import WaitingLookahead
 from pagedkv.eviction.lru import LRUPolicy
 from pagedkv.eviction.retention_levels import RetentionLevels
 from pagedkv.eviction.s3fifo import S3FIFOPolicy
+from pagedkv.eviction.sessions import SessionStats
+from pagedkv.eviction.time_aware import HazardPolicy
 from pagedkv.free_queue import FreeKVCacheBlockQueue
 
-EVICTION_POLICY_NAMES = ("lru", "lfu", "s3fifo", "arc", "cost", "belady")
+EVICTION_POLICY_NAMES = (
+    "lru",
+    "lfu",
+    "s3fifo",
+    "arc",
+    "cost",
+    "continuation",
+    "hazard",
+    "belady",
+)
 """Every eviction policy, by name (routing policies: `pagedkv.router.ROUTING_POLICY_NAMES`)."""
 ONLINE_POLICY_NAMES = EVICTION_POLICY_NAMES[:-1]
 """The policies a serving engine can run (belady needs the future)."""
+SESSION_POLICY_NAMES = ("continuation", "hazard")
+"""The policies that learn from requests' sessions (the manager's `add_waiting` and `free`)."""
 POLICY_NAMES = EVICTION_POLICY_NAMES
 """The old name of `EVICTION_POLICY_NAMES`, kept for callers."""
 
@@ -58,13 +75,16 @@ class EvictionConfig:
 
     `retention`: honour requests' `RetentionConfig` hints; at most `max_retained_fraction` of
     the usable blocks may hold a raised priority at once (beyond, hints are demoted to the
-    default). `host_num_blocks`: capacity of the host-memory tier in blocks (0: none; one
-    KV-cache group only). `oracle`: the future, for `belady` only. `clock`: seconds, for
-    retention durations (the simulator passes its simulated clock).
+    default). `lookahead`: evict last the free blocks that requests in the waiting queue will
+    hit (the scheduler calls the manager's `add_waiting`). `host_num_blocks`: capacity of the
+    host-memory tier in blocks (0: none; one KV-cache group only). `oracle`: the future, for
+    `belady` only. `clock`: seconds, for retention durations and the `hazard` policy's gaps
+    (the simulator passes its simulated clock).
     """
 
     policy: str = "lru"
     retention: bool = False
+    lookahead: bool = False
     max_retained_fraction: float = 0.5
     host_num_blocks: int = 0
     oracle: FutureOracle | None = None
@@ -91,13 +111,17 @@ class EvictionConfig:
             raise ConfigError(f"max_retained_fraction={fraction!r} must be in [0, 1]")
         if type(self.host_num_blocks) is not int or self.host_num_blocks < 0:
             raise ConfigError(f"host_num_blocks={self.host_num_blocks!r} must be an int >= 0")
+        if type(self.lookahead) is not bool:
+            raise ConfigError(f"lookahead={self.lookahead!r} must be True or False")
+        if type(self.retention) is not bool:
+            raise ConfigError(f"retention={self.retention!r} must be True or False")
         if not callable(self.clock):
             raise ConfigError(f"clock={self.clock!r} must be a callable returning seconds")
 
     @property
     def is_plain_lru(self) -> bool:
         """The reference's free queue alone: no policy object, no hooks."""
-        return self.policy == "lru" and not self.retention
+        return self.policy == "lru" and not self.retention and not self.lookahead
 
 
 DEFAULT_EVICTION = EvictionConfig()
@@ -111,7 +135,9 @@ class EvictionStats:
     `num_retention_demotions`: raises refused by the cap (the block kept the default);
     `num_retention_lapses`: priorities returned to the default when their duration ran out;
     `num_host_blocks`: entries in the host tier; `num_host_demotions`, `num_host_evictions`:
-    stored to and dropped from it; `num_host_loads`: blocks loaded back from it (host hits).
+    stored to and dropped from it; `num_host_loads`: blocks loaded back from it (host hits);
+    `num_protected_blocks`: free blocks the look-ahead holds back for waiting requests now;
+    `num_lookahead_protections`: blocks it took out of the policy's order since construction.
     """
 
     policy: str
@@ -122,6 +148,8 @@ class EvictionStats:
     num_host_demotions: int = 0
     num_host_evictions: int = 0
     num_host_loads: int = 0
+    num_protected_blocks: int = 0
+    num_lookahead_protections: int = 0
 
 
 def as_eviction_config(value: EvictionConfig | str | None) -> EvictionConfig:
@@ -143,6 +171,15 @@ def make_free_blocks(config: EvictionConfig, blocks: list[KVCacheBlock]) -> Free
     if config.retention:
         max_retained = int(config.max_retained_fraction * max(len(blocks) - 1, 0))
         retention = RetentionLevels(blocks, max_retained, config.clock)
+    policy = _make_policy(config, blocks, retention)
+    if config.lookahead:
+        policy.enable_lookahead(WaitingLookahead(blocks))
+    return policy
+
+
+def _make_policy(
+    config: EvictionConfig, blocks: list[KVCacheBlock], retention: RetentionLevels | None
+) -> EvictionPolicy:
     name = config.policy
     if name == "lru":
         return LRUPolicy(blocks, retention)
@@ -154,6 +191,11 @@ def make_free_blocks(config: EvictionConfig, blocks: list[KVCacheBlock]) -> Free
         return ARCPolicy(blocks, retention)
     if name == "cost":
         return CostPolicy(blocks, retention, config.attention_crossover_tokens)
+    if name == "continuation":
+        return ContinuationPolicy(blocks, retention, config.clock)
+    if name == "hazard":
+        return HazardPolicy(blocks, retention, config.clock)
+    assert name == "belady"
     return BeladyPolicy(blocks, retention, config.oracle)
 
 
@@ -163,19 +205,24 @@ __all__ = [
     "NEVER",
     "ONLINE_POLICY_NAMES",
     "POLICY_NAMES",
+    "SESSION_POLICY_NAMES",
     "ARCPolicy",
     "BeladyPolicy",
+    "ContinuationPolicy",
     "CostPolicy",
     "EvictionConfig",
     "EvictionPolicy",
     "EvictionStats",
     "FreeBlockSet",
     "FutureOracle",
+    "HazardPolicy",
     "HostTier",
     "LFUPolicy",
     "LRUPolicy",
     "RetentionLevels",
     "S3FIFOPolicy",
+    "SessionStats",
+    "WaitingLookahead",
     "as_eviction_config",
     "make_free_blocks",
 ]

@@ -144,7 +144,7 @@ class ARCPolicy(EvictionPolicy):
         return len(to_t1) + len(to_t2)
 
     def take_hits(self, blocks: Sequence[KVCacheBlock], null_block: KVCacheBlock) -> None:
-        if self.retention is not None:
+        if self._guarded:
             super().take_hits(blocks, null_block)
             return
         # Hot path: `remove` / `on_hit_held` inlined (a lookup's hits are adopted together).

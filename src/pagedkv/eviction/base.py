@@ -16,6 +16,7 @@ from pagedkv.errors import InvalidArgumentError, InvariantViolation
 from pagedkv.free_queue import FreeKVCacheBlockQueue
 
 if TYPE_CHECKING:
+    from pagedkv.eviction.lookahead import WaitingLookahead
     from pagedkv.eviction.retention_levels import RetentionLevels
     from pagedkv.request import Request
 
@@ -46,6 +47,8 @@ class EvictionPolicy:
     """
 
     name: ClassVar[str] = ""
+    uses_requests: ClassVar[bool] = False
+    """The policy hears of arrivals and frees (`note_waiting`, `note_freeing`)."""
 
     def __init__(
         self, blocks: Sequence[KVCacheBlock], retention: RetentionLevels | None = None
@@ -56,12 +59,80 @@ class EvictionPolicy:
         self.num_free_blocks = len(blocks)
         self.num_policy_blocks = 0
         self.retention = retention
+        self.lookahead: WaitingLookahead | None = None
+        # Retention or the look-ahead is on: blocks may live outside the policy's order.
+        self._guarded = retention is not None
         # The pool's hash maps (read only), for policies that tell a block's duplicates apart.
         self.hash_maps: Sequence[Mapping[BlockHash, KVCacheBlock]] = ()
 
     def attach(self, hash_maps: Sequence[Mapping[BlockHash, KVCacheBlock]]) -> None:
         """Give the policy read access to the pool's hash maps (called once by the pool)."""
         self.hash_maps = hash_maps
+
+    def enable_lookahead(self, lookahead: WaitingLookahead) -> None:
+        """Hold back free blocks that waiting requests will hit (called once, at construction)."""
+        self.lookahead = lookahead
+        self._guarded = True
+
+    # ------------------------------------------------------------------ request signals
+
+    def note_waiting(self, request: Request) -> None:
+        """`request` entered the waiting queue (arrival, or back after a preemption)."""
+        lookahead = self.lookahead
+        if lookahead is not None and request.request_id not in lookahead.registered:
+            block_hashes = request.block_hashes
+            # Deepest first, so the protected queue gives up a prefix's tail before its head.
+            for block_hash in reversed(lookahead.add_hashes(request.request_id, block_hashes)):
+                for hash_map in self.hash_maps:
+                    block = hash_map.get(block_hash)
+                    if (
+                        block is not None
+                        and block.ref_cnt == 0
+                        and not lookahead.is_protected(block)
+                    ):
+                        self._take_out(block)
+                        lookahead.protect(block)
+        if self.uses_requests:
+            self._note_arrival(request)
+
+    def note_not_waiting(self, request: Request) -> None:
+        """`request` left the waiting queue (scheduled, aborted, finished): drop its hashes."""
+        lookahead = self.lookahead
+        if lookahead is None or request.request_id not in lookahead.registered:
+            return
+        released = lookahead.drop_hashes(request.request_id, request.block_hashes)
+        for block_hash in reversed(released):  # deepest first, as freed blocks go back
+            for hash_map in self.hash_maps:
+                block = hash_map.get(block_hash)
+                if block is not None and lookahead.is_protected(block):
+                    lookahead.unprotect(block)
+                    self._put_back(block)
+
+    def note_freeing(self, request: Request) -> None:
+        """`request`'s blocks are about to be freed (`end_free` follows the free)."""
+
+    def end_free(self) -> None:
+        """The free announced by `note_freeing` is done."""
+
+    def _note_arrival(self, request: Request) -> None:
+        """A request arrived (policies with `uses_requests`)."""
+
+    def _take_out(self, block: KVCacheBlock) -> None:
+        """Unlink a free cached block from wherever it is (parked or the policy's order)."""
+        retention = self.retention
+        if retention is not None and retention.is_parked(block):
+            retention.unpark(block)
+        else:
+            self._unlink(block)
+            self.num_policy_blocks -= 1
+
+    def _put_back(self, block: KVCacheBlock) -> None:
+        """A free cached block returns to its retention level or the policy's order."""
+        retention = self.retention
+        if retention is not None and retention.park(block):
+            return
+        self._insert_cached(block)
+        self.num_policy_blocks += 1
 
     # ------------------------------------------------------------------ free-queue interface
 
@@ -86,11 +157,11 @@ class EvictionPolicy:
             )
         blocks = unhashed.popleft_n(unhashed.num_free_blocks)
         num_victims = num_blocks - len(blocks)
-        if self.retention is None:
+        if not self._guarded:
             self.num_policy_blocks -= num_victims
             self._pop_victims(num_victims, blocks)
         else:
-            pop = self._pop_retained
+            pop = self._pop_guarded
             for _ in range(num_victims):
                 blocks.append(pop())
         self.num_free_blocks -= num_blocks
@@ -102,7 +173,12 @@ class EvictionPolicy:
             self._unhashed.remove(block)
         else:
             retention = self.retention
-            if retention is not None and retention.is_parked(block):
+            lookahead = self.lookahead
+            if lookahead is not None and lookahead.is_protected(block):
+                lookahead.unprotect(block)
+                if retention is not None:
+                    retention.refresh(block)
+            elif retention is not None and retention.is_parked(block):
                 retention.unpark(block)
                 retention.refresh(block)
             else:
@@ -117,22 +193,29 @@ class EvictionPolicy:
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Cached blocks became free (in the order given: a request's blocks, last first)."""
-        retention = self.retention
-        if retention is None:
+        if not self._guarded:
             num_blocks = self._insert_many(blocks)
             self.num_policy_blocks += num_blocks
             self.num_free_blocks += num_blocks
             return
         insert = self._insert_cached
-        park = retention.park
-        num_blocks = num_parked = 0
+        retention = self.retention
+        lookahead = self.lookahead
+        num_blocks = num_elsewhere = 0
         for block in blocks:
-            if park(block):
-                num_parked += 1
+            num_blocks += 1
+            if (
+                lookahead is not None
+                and lookahead.is_wanted(block)
+                and self.hash_maps[block.hash_group_id].get(block.block_hash) is block  # type: ignore[arg-type]
+            ):
+                lookahead.protect(block)
+                num_elsewhere += 1
+            elif retention is not None and retention.park(block):
+                num_elsewhere += 1
             else:
                 insert(block)
-            num_blocks += 1
-        self.num_policy_blocks += num_blocks - num_parked
+        self.num_policy_blocks += num_blocks - num_elsewhere
         self.num_free_blocks += num_blocks
 
     def prepend_n(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -155,6 +238,8 @@ class EvictionPolicy:
         yield from self._iter_cached()
         if retention is not None:
             yield from retention.iter_parked(low=False)
+        if self.lookahead is not None:
+            yield from self.lookahead
 
     def __len__(self) -> int:
         return self.num_free_blocks
@@ -193,6 +278,15 @@ class EvictionPolicy:
         # on the pool's behalf (`BlockPool.touch`), instead of in a second loop there.
         """
         remove = self.remove
+        if self.retention is None and type(self).note_hit is EvictionPolicy.note_hit:
+            # Hot path: a hit on a held block changes nothing of the policy's: no call for it.
+            for block in blocks:
+                if block is null_block:
+                    continue
+                if block.ref_cnt == 0:
+                    remove(block)
+                block.ref_cnt += 1
+            return
         on_hit_held = self.on_hit_held
         for block in blocks:
             if block is null_block:
@@ -212,8 +306,11 @@ class EvictionPolicy:
     def on_uncached(self, block: KVCacheBlock) -> None:
         """`block` is about to lose its cache entry outside reuse (`evict_blocks`)."""
         retention = self.retention
+        lookahead = self.lookahead
         if block.ref_cnt == 0:
-            if retention is not None and retention.is_parked(block):
+            if lookahead is not None and lookahead.is_protected(block):
+                lookahead.unprotect(block)
+            elif retention is not None and retention.is_parked(block):
                 retention.unpark(block)
             else:
                 self._unlink(block)
@@ -230,6 +327,8 @@ class EvictionPolicy:
         self._clear()
         if self.retention is not None:
             self.retention.clear()
+        if self.lookahead is not None:
+            self.lookahead.clear_protected()
         self._unhashed = FreeKVCacheBlockQueue(order)
         self.num_policy_blocks = 0
 
@@ -239,19 +338,26 @@ class EvictionPolicy:
         self.num_policy_blocks -= 1
         return self._pop_victim()
 
-    def _pop_retained(self) -> KVCacheBlock:
-        """The next victim with retention on: low priorities, the policy's blocks, high ones."""
+    def _pop_guarded(self) -> KVCacheBlock:
+        """The next victim with retention or the look-ahead on: low priorities, the policy's
+        blocks, high priorities, then the blocks waiting requests will hit."""
         retention = self.retention
-        assert retention is not None
-        retention.expire(self._adopt)
-        block = retention.pop_parked(low=True)
+        block = None
+        if retention is not None:
+            retention.expire(self._adopt)
+            block = retention.pop_parked(low=True)
         if block is None:
             if self.num_policy_blocks:
                 return self._pop_policy_block()
-            block = retention.pop_parked(low=False)
+            if retention is not None:
+                block = retention.pop_parked(low=False)
+            if block is None and self.lookahead is not None:
+                block = self.lookahead.pop()
+                if block is not None and retention is not None:
+                    retention.forget(block)
             if block is None:
                 raise InvariantViolation("free-block count says a cached block is free; none is")
-        # A parked victim never passed through the policy's order: drop its state here.
+        # A parked or protected victim never passed through the policy's order: drop its state.
         self._forget(block)
         return block
 
@@ -369,6 +475,9 @@ class EvictionPolicy:
         if self.retention is not None:
             self.retention.check_invariants()
             num_parked = self.retention.num_parked_blocks
+        if self.lookahead is not None:
+            self.lookahead.check_invariants()
+            num_parked += self.lookahead.num_protected_blocks
         total = self._unhashed.num_free_blocks + self.num_policy_blocks + num_parked
         if total != self.num_free_blocks:
             raise InvariantViolation(

@@ -114,7 +114,7 @@ class LFUPolicy(EvictionPolicy):
         return num_blocks
 
     def take_hits(self, blocks: Sequence[KVCacheBlock], null_block: KVCacheBlock) -> None:
-        if self.retention is not None:
+        if self._guarded:
             super().take_hits(blocks, null_block)
             return
         # Hot path: `remove` / `on_hit_held` inlined (a lookup's hits are adopted together).

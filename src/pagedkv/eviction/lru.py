@@ -29,6 +29,16 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(blocks, retention)
         self._queue = FreeKVCacheBlockQueue(())
 
+    def _note_cached_range(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        start: int,
+        end: int,
+        block_size: int,
+        skipped_ids: set[int] | None,
+    ) -> None:
+        """Hot path: no per-block state when a block is cached."""
+
     def _insert_cached(self, block: KVCacheBlock) -> None:
         self._queue.append(block)
 

@@ -116,6 +116,13 @@ class KVCacheManager:
         self.owner_thread = self.block_pool.owner_thread
         policy = self.block_pool.eviction_policy
         self._retention = policy.retention if policy is not None else None
+        # The policy when it takes request signals (look-ahead, sessions), else None: with
+        # plain LRU `add_waiting` does nothing and `free` pays one test.
+        self._signals = (
+            policy
+            if policy is not None and (policy.lookahead is not None or policy.uses_requests)
+            else None
+        )
         check_host_tier_layout(self.block_pool, self.coordinator.single_type_managers)
         self.kv_cache_event_metadata = event_metadata(groups)
         # Shared immutable results; callers may test them with `is`.
@@ -325,6 +332,9 @@ class KVCacheManager:
             )
             if self._retention is not None and request.retention is not None:
                 self._retain_hits(request, hits)
+        if self._signals is not None:
+            # Scheduled: its hits are held now; the rest it wanted need no protection.
+            self._signals.note_not_waiting(request)
         new_blocks = coordinator.allocate_new_blocks(
             request_id, num_tokens_need_slot, num_encoder_tokens, num_tokens_main_model
         )
@@ -407,11 +417,38 @@ class KVCacheManager:
             del live[request_id]
         elif request_id in live:
             return  # another live request owns this id; nothing of ours to free
+        signals = self._signals
+        if signals is not None:
+            signals.note_not_waiting(request)
+            signals.note_freeing(request)
         allocator = self._running_allocator
         if allocator is not None:
             allocator.free(request_id)  # Hot path: the coordinator's fan-out, inlined
         else:
             self.coordinator.free(request_id)
+        if signals is not None:
+            signals.end_free()
+
+    # ------------------------------------------------------------------ the waiting queue
+
+    def add_waiting(self, request: Request) -> None:
+        """`request` entered the waiting queue (arrived, or came back after a preemption).
+
+        With the look-ahead on, the free blocks it will hit are evicted last until it leaves
+        the queue: its first successful `allocate_slots`, `remove_waiting` or `free`. Session
+        policies note its arrival. Call once per entry into the queue; a no-op for plain LRU.
+        """
+        signals = self._signals
+        if signals is not None:
+            self.owner_thread.check("KVCacheManager.add_waiting")
+            signals.note_waiting(request)
+
+    def remove_waiting(self, request: Request) -> None:
+        """`request` left the waiting queue without allocating (aborted, or dropped)."""
+        signals = self._signals
+        if signals is not None:
+            self.owner_thread.check("KVCacheManager.remove_waiting")
+            signals.note_not_waiting(request)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """Forget the request's blocks without freeing them; free later with

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.errors import InvalidArgumentError, MissingDependencyError
+from pagedkv.errors import InvalidArgumentError, MissingDependencyError, install_hint
 from pagedkv.eviction import EvictionStats
 from pagedkv.metrics.residency import KVCacheEvictionEvent
 from pagedkv.stats import PrefixCacheStats
@@ -20,7 +20,7 @@ try:
     import prometheus_client
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(
-        "Prometheus metrics need prometheus-client: pip install 'pagedkv[metrics]'"
+        f"Prometheus metrics need prometheus-client: {install_hint('metrics')}"
     ) from exc
 
 if TYPE_CHECKING:

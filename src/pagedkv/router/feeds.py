@@ -12,21 +12,28 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pagedkv.router.router import Router
+from pagedkv.router.router import NEVER_CONNECTED, NOT_CONNECTED_YET, Router
 from pagedkv.router.service_config import InstanceConfig
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_MS = 50
+_HEALTH_TIMEOUT_S = 1.0
 
 
 class EventFeeds:
     """One `ZmqEventSubscriber` per instance, polled by one thread that applies what arrives.
 
     Contract: batches are applied in sequence order, each once (`Router.apply_batch`), a loss
-    (`num_lost` grew) marks the instance lost, the connection state is reported to the router,
-    and `Router.maybe_recover` runs between polls. `applied_seq[i]` is the last sequence number
-    of instance i the router has seen (applied, skipped as contained in a snapshot, or lost).
+    (`num_lost` grew) marks the instance lost, and `Router.maybe_recover` runs between polls.
+    Liveness, decided after every poll: an instance is down (`Router.set_down`) while its
+    stream is disconnected (the socket monitor; ZMTP heartbeats make a silent peer a
+    disconnection after `stale_after_s`), while a reconnection is not yet resolved (same
+    publisher or a restart: the subscriber settles it before any new batch is handed over),
+    while its optional `health_url` fails, and until it first connects (declared down for good,
+    so `/ready` need not wait for it, `stale_after_s` after the start). `applied_seq[i]` is the
+    last sequence number of instance i the router has seen (applied, skipped as contained in a
+    snapshot, or lost).
     """
 
     def __init__(
@@ -35,26 +42,41 @@ class EventFeeds:
         instances: Sequence[InstanceConfig],
         replay_timeout_s: float = 1.0,
         context: Any = None,
+        stale_after_s: float | None = None,
     ) -> None:
         from pagedkv.wire.transport import ZmqEventSubscriber
 
         self.router = router
         self.lock = threading.Lock()
-        self.subscribers = {
-            inst.instance_id: ZmqEventSubscriber(
-                inst.endpoint,
-                inst.replay_endpoint,
-                topic=inst.topic,
-                replay_timeout_s=replay_timeout_s,
-                context=context,
-            )
-            for inst in instances
-        }
+        self.stale_after_s = stale_after_s
+        self.subscribers: dict[str, Any] = {}
+        try:
+            for inst in instances:
+                self.subscribers[inst.instance_id] = ZmqEventSubscriber(
+                    inst.endpoint,
+                    inst.replay_endpoint,
+                    topic=inst.topic,
+                    replay_timeout_s=replay_timeout_s,
+                    context=context,
+                    stale_after_s=stale_after_s,
+                )
+        except Exception:
+            for subscriber in self.subscribers.values():
+                subscriber.close()
+            raise
+        self.health_urls = {i.instance_id: i.health_url for i in instances if i.health_url}
+        self.health_failures: dict[str, str] = {}
+        self._started_s = time.monotonic()
+        for instance_id, subscriber in self.subscribers.items():
+            if subscriber.connected is not None:  # tcp/ipc: watched; inproc: live at once
+                router.states[instance_id].ever_live = False
+                router.set_down(instance_id, NOT_CONNECTED_YET)
         self.applied_seq: dict[str, int | None] = dict.fromkeys(self.subscribers)
         self.num_events_applied: dict[str, int] = dict.fromkeys(self.subscribers, 0)
         self._last_resync_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pagedkv-router-feeds", daemon=True)
+        self._health_thread: threading.Thread | None = None
 
     def snapshot_source(self, instance_id: str) -> Any:
         """The router's `snapshot_source`: ask the instance's publisher for a snapshot."""
@@ -62,11 +84,17 @@ class EventFeeds:
 
     def start(self) -> None:
         self._thread.start()
+        if self.health_urls:
+            self._health_thread = threading.Thread(
+                target=self._check_health, name="pagedkv-router-health", daemon=True
+            )
+            self._health_thread.start()
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        for thread in (self._thread, self._health_thread):
+            if thread is not None and thread.is_alive():
+                thread.join(timeout=5)
         for subscriber in self.subscribers.values():
             subscriber.close()
 
@@ -79,15 +107,21 @@ class EventFeeds:
             num_lost = subscriber.num_lost
             items = subscriber.poll(0)
             with self.lock:
+                accounted = 0
                 for item in items:
+                    if item.num_lost_before:
+                        router.mark_lost(instance_id)  # clear first: what follows is real
+                        accounted += item.num_lost_before
                     router.apply_batch(instance_id, item.seq, item.batch)
                     self.num_events_applied[instance_id] += len(item.batch.events)
-                if subscriber.num_lost != num_lost:
+                if subscriber.num_lost - num_lost > accounted:
                     router.mark_lost(instance_id)
                 router.set_connected(instance_id, subscriber.connected is not False)
+                router.set_down(instance_id, self._down_reason(instance_id, subscriber))
                 self.applied_seq[instance_id] = subscriber.last_seq
             num_batches += len(items)
         with self.lock:
+            router.expire_down()
             router.maybe_recover(resync_inexact=False)
             inexact = [i for i, state in router.states.items() if not state.exact]
         if inexact and not router.degraded:
@@ -95,6 +129,40 @@ class EventFeeds:
         if not num_batches and timeout_ms:
             self._wait(timeout_ms)
         return num_batches
+
+    def _down_reason(self, instance_id: str, subscriber: Any) -> str | None:
+        if subscriber.connected is False:
+            if self.router.states[instance_id].ever_live:
+                return "disconnected"
+            waited = time.monotonic() - self._started_s
+            return NOT_CONNECTED_YET if waited < (self.stale_after_s or 5.0) else NEVER_CONNECTED
+        if subscriber.suspect_restart:
+            return "reconnected; restart not yet resolved"
+        failure = self.health_failures.get(instance_id)
+        if failure is not None:
+            return f"health check failed: {failure}"
+        return None
+
+    def _check_health(self) -> None:
+        """Poll every instance's `health_url` (its own thread: a slow engine costs no feed
+        time); a failure is reported to the feed, which declares the instance down."""
+        import urllib.error
+        import urllib.request
+
+        interval = min(1.0, self.stale_after_s or 1.0)
+        while not self._stop.wait(interval):
+            for instance_id, url in self.health_urls.items():
+                try:
+                    with urllib.request.urlopen(url, timeout=_HEALTH_TIMEOUT_S) as response:
+                        failure = None if response.status == 200 else f"HTTP {response.status}"
+                except urllib.error.HTTPError as exc:
+                    failure = f"HTTP {exc.code}"
+                except (OSError, ValueError) as exc:
+                    failure = str(getattr(exc, "reason", exc))
+                if failure is None:
+                    self.health_failures.pop(instance_id, None)
+                else:
+                    self.health_failures[instance_id] = f"{url}: {failure}"
 
     def _resync(self, inexact: list[str]) -> None:
         """Ask inexact instances for a snapshot (at most once per retry interval), off the

@@ -122,6 +122,10 @@ class InMemoryPrefixIndex:
             self._extras[instance_id] = {}
         return bit
 
+    @property
+    def idempotent_stores(self) -> frozenset[str] | bool:
+        return self._idempotent
+
     def is_idempotent(self, instance_id: str) -> bool:
         idempotent = self._idempotent
         return idempotent if isinstance(idempotent, bool) else instance_id in idempotent

@@ -3,6 +3,7 @@ prefix-aware policy, the index's match lengths; none holds cluster state beyond 
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -63,8 +64,9 @@ class LeastLoadedPolicy:
 
 
 class PrefixAwarePolicy:
-    """The instance caching the longest prefix of the request (ties: least load, then the
-    first listed).
+    """The instance caching the longest prefix of the request (ties: least load, then one at
+    random from a generator seeded with `seed`, so equal instances share the traffic and a
+    run is reproducible).
 
     `max_load_gap`: when set, only instances within this much load of the least loaded one
     are candidates, so a prefix every request shares (a system prompt) cannot pile the whole
@@ -74,10 +76,11 @@ class PrefixAwarePolicy:
     name = "prefix-aware"
     uses_index = True
 
-    def __init__(self, max_load_gap: float | None = None) -> None:
+    def __init__(self, max_load_gap: float | None = None, seed: int = 0) -> None:
         if max_load_gap is not None and not max_load_gap >= 0:
             raise InvalidArgumentError(f"max_load_gap must be >= 0, got {max_load_gap!r}")
         self.max_load_gap = max_load_gap
+        self._rng = random.Random(seed)
 
     def choose(
         self,
@@ -91,17 +94,19 @@ class PrefixAwarePolicy:
         if self.max_load_gap is not None:
             limit = min(loads.get(i, 0) for i in instance_ids) + self.max_load_gap
             candidates = [i for i in instance_ids if loads.get(i, 0) <= limit]
-        return min(candidates, key=lambda i: (-match_lengths.get(i, 0), loads.get(i, 0)))
+        best_key = min((-match_lengths.get(i, 0), loads.get(i, 0)) for i in candidates)
+        best = [i for i in candidates if (-match_lengths.get(i, 0), loads.get(i, 0)) == best_key]
+        return best[0] if len(best) == 1 else self._rng.choice(best)
 
 
-def make_policy(name: str, max_load_gap: float | None = None) -> RoutingPolicy:
-    """Build a policy by its CLI name (`max_load_gap` applies to prefix-aware only)."""
+def make_policy(name: str, max_load_gap: float | None = None, seed: int = 0) -> RoutingPolicy:
+    """Build a policy by its CLI name (`max_load_gap` and `seed` apply to prefix-aware only)."""
     if name == "round-robin":
         return RoundRobinPolicy()
     if name == "least-loaded":
         return LeastLoadedPolicy()
     if name == "prefix-aware":
-        return PrefixAwarePolicy(max_load_gap)
+        return PrefixAwarePolicy(max_load_gap, seed)
     raise InvalidArgumentError(
         f"unknown routing policy {name!r}; choose one of {ROUTING_POLICY_NAMES}"
     )

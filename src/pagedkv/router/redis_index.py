@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection, Hashable, Iterable, Sequence
 from typing import Any
 
-from pagedkv.errors import InvalidArgumentError, MissingDependencyError
+from pagedkv.errors import InvalidArgumentError, MissingDependencyError, install_hint
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pagedkv.router.index import (
     CacheKey,
@@ -36,7 +36,7 @@ try:
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(
-        "The Redis index needs redis-py: pip install 'pagedkv[router]'"
+        f"The Redis index needs redis-py: {install_hint('router')}"
     ) from exc
 
 _FENCED = "PAGEDKV_FENCED"
@@ -181,6 +181,10 @@ class RedisPrefixIndex:
 
     def _instance_key(self, instance_id: str) -> str:
         return f"{self.namespace}:i:{instance_id}"
+
+    @property
+    def idempotent_stores(self) -> frozenset[str] | bool:
+        return self._idempotent
 
     def is_idempotent(self, instance_id: str) -> bool:
         idempotent = self._idempotent

@@ -11,10 +11,11 @@ from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from pagedkv.block import BlockHash, to_external_hash
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.errors import InvalidArgumentError, PagedKVError
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pagedkv.hashing import resolve_block_hashes
 from pagedkv.request import Request
+from pagedkv.router.hash_check import BlockHashCheck
 from pagedkv.router.index import (
     IndexUnavailableError,
     InMemoryPrefixIndex,
@@ -63,6 +64,16 @@ def external_events(events: Iterable[KVCacheEvent]) -> list[KVCacheEvent]:
     return out
 
 
+NOT_CONNECTED_YET = "not connected yet"
+"""Down reason at start: `ready` waits for the instance (until it is declared down)."""
+NEVER_CONNECTED = "never connected"
+
+
+class NoInstanceAvailableError(PagedKVError):
+    """No candidate instance can take a request now (every one is down, restarting or
+    misconfigured)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RoutingDecision:
     instance_id: str
@@ -81,7 +92,16 @@ class InstanceState:
 
     `exact`: they equal the instance's cache as of the last batch applied. When False (events
     were lost for good, or an outage was recovered without a snapshot) they are a subset of
-    it: the router cleared them, so it may miss hits there but never claims one that is not.
+    it: the router cleared them, so it may miss hits there but never claims one that is not
+    ("exact from now": every entry is real, some cached blocks have none).
+
+    `down`: why the instance's feed is not trusted now (disconnected, restarting, its health
+    check failing, never connected), None while it is live. A down instance scores 0 and is
+    never routed to; its entries are kept for the router's grace period and count again only
+    if its stream resumes without a restart, else they are cleared first.
+
+    `misconfigured`: why its hashes cannot be the router's (block size, algorithm, seed);
+    never scored while set. `safe` (no phantom hit possible): live and not misconfigured.
     """
 
     exact: bool = True
@@ -92,6 +112,30 @@ class InstanceState:
     num_batches_skipped: int = 0
     num_snapshots: int = 0
     num_losses: int = 0
+    down: str | None = None
+    down_since: float | None = None
+    ever_live: bool = True
+    misconfigured: str | None = None
+    num_restarts: int = 0
+    num_removals_since_loss: int = 0
+    num_unknown_removals_since_loss: int = 0
+    entries_dropped: bool = False
+    """The grace period ran out while down: its entries were cleared."""
+
+    @property
+    def safe(self) -> bool:
+        return self.down is None and self.misconfigured is None
+
+    @property
+    def coverage(self) -> float:
+        """Estimated share of the instance's cached blocks the index holds: 1 when exact, else
+        the share of its evictions since the loss that named a block the index held."""
+        if self.exact:
+            return 1.0
+        total = self.num_removals_since_loss
+        if not total:
+            return 0.0
+        return 1.0 - self.num_unknown_removals_since_loss / total
 
 
 class Router:
@@ -131,6 +175,8 @@ class Router:
         retry_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         hash_format: str = "int64",
+        grace_s: float = 30.0,
+        hash_check: BlockHashCheck | None = None,
     ) -> None:
         if hash_format not in ("int64", "bytes"):
             raise InvalidArgumentError(
@@ -141,9 +187,20 @@ class Router:
             raise InvalidArgumentError(f"instance ids must be non-empty and unique, got {ids}")
         if not retry_interval_s >= 0:
             raise InvalidArgumentError(f"retry_interval_s must be >= 0, got {retry_interval_s!r}")
+        if not grace_s >= 0:
+            raise InvalidArgumentError(f"grace_s must be >= 0, got {grace_s!r}")
         self.instance_ids = ids
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.index: PrefixIndex = index if index is not None else InMemoryPrefixIndex()
+        self.shadow: InMemoryPrefixIndex | None = None
+        """With a shared backend (Redis): the router's own copy of every instance's entries,
+        fed even while the backend is down, from which the backend is rebuilt."""
+        if not isinstance(self.index, InMemoryPrefixIndex):
+            self.shadow = InMemoryPrefixIndex(
+                idempotent_stores=getattr(self.index, "idempotent_stores", False)
+            )
+        self.grace_s = grace_s
+        self.hash_check = hash_check
         self.fallback = fallback or LeastLoadedPolicy()
         if self.fallback.uses_index:
             raise InvalidArgumentError("the fallback policy must not need the index")
@@ -164,7 +221,24 @@ class Router:
     @property
     def exact(self) -> bool:
         """Whether the index equals every instance's cache (as of the batches applied)."""
-        return not self.degraded and all(state.exact for state in self.states.values())
+        return not self.degraded and all(s.exact and s.safe for s in self.states.values())
+
+    @property
+    def ready(self) -> bool:
+        """Whether the router's answers can be trusted: the index is usable, every instance
+        was live once or is declared down, none is misconfigured, and one at least is safe."""
+        states = self.states.values()
+        return (
+            not self.degraded
+            and self._claimed
+            and all(s.ever_live or s.down not in (None, NOT_CONNECTED_YET) for s in states)
+            and all(s.misconfigured is None for s in states)
+            and any(s.safe for s in states)
+        )
+
+    def serving(self, instance_id: str) -> bool:
+        """Whether the instance may be scored and routed to (safe: no phantom possible)."""
+        return self.states[instance_id].safe
 
     # ------------------------------------------------------------------ feeding
 
@@ -175,23 +249,25 @@ class Router:
     def apply_batch(self, instance_id: str, seq: int, batch: EventBatch) -> bool:
         """Feed one stream batch numbered `seq` (a snapshot: its `snapshot_next_seq`).
 
-        Returns False if dropped (index unavailable); True if applied, or skipped because the
-        last snapshot applied already contains it.
+        Returns False if the index did not take it (unavailable; the router's own copy, with a
+        shared backend, still did); True if applied, or skipped because the last snapshot
+        applied already contains it.
         """
         state = self._state(instance_id)
         # Usable first: a recovery inside this call installs snapshots, which moves the floor
         # this batch is checked against.
-        if not self._usable():
+        usable = self._usable()
+        if not usable and self.shadow is None:
             self.num_dropped_event_batches += 1
             return False
         if batch.snapshot_next_seq is not None:
             try:
-                self._install_snapshot(instance_id, batch)
+                self._install_snapshot(instance_id, batch, usable)
             except IndexUnavailableError as exc:
                 self._enter_outage(exc)
                 self.num_dropped_event_batches += 1
                 return False
-            return True
+            return usable
         if state.next_seq is not None and seq < state.next_seq:
             state.num_batches_skipped += 1
             return True
@@ -201,8 +277,15 @@ class Router:
         """Batches of this instance were lost for good: clear its entries (inexact) until a
         snapshot brings them back."""
         state = self._state(instance_id)
+        if state.exact:
+            state.num_removals_since_loss = state.num_unknown_removals_since_loss = 0
         state.exact = False
         state.num_losses += 1
+        self._clear(instance_id)
+
+    def _clear(self, instance_id: str) -> None:
+        if self.shadow is not None:
+            self.shadow.clear_instance(instance_id)
         if self._usable():
             try:
                 self.index.clear_instance(instance_id)
@@ -210,8 +293,75 @@ class Router:
                 self._enter_outage(exc)
 
     def set_connected(self, instance_id: str, connected: bool) -> None:
-        """Record whether the instance's event stream is connected (reported, not routed on)."""
+        """Record whether the instance's event stream is connected (reported; `set_down`
+        decides whether it is served)."""
         self._state(instance_id).connected = connected
+
+    def set_down(self, instance_id: str, reason: str | None) -> None:
+        """Declare the instance's feed down (`reason`: why) or live again (None). Down: it
+        scores 0 and is not routed to at once; its entries wait `grace_s` for the stream to
+        resume without a restart (a restart clears them: `restart`)."""
+        state = self._state(instance_id)
+        if reason is None:
+            if state.down is not None:
+                logger.warning("instance %s is live again", instance_id)
+            state.down = state.down_since = None
+            state.ever_live = True
+        elif state.down is None:
+            logger.warning("instance %s is down (%s): not scored or routed to", instance_id, reason)
+            state.down, state.down_since = reason, self.clock()
+        else:
+            state.down = reason
+
+    def restart(self, instance_id: str) -> None:
+        """The instance's publisher is a new one (empty cache, stream from 0): clear its
+        entries now, before anything of the new stream is trusted; exact again."""
+        state = self._state(instance_id)
+        state.num_restarts += 1
+        self._clear(instance_id)
+        self._became_exact(instance_id, state)
+        state.next_seq = None
+
+    def expire_down(self) -> None:
+        """Clear the entries of instances down for longer than `grace_s` (called by the feed)."""
+        now = self.clock()
+        for instance_id, state in self.states.items():
+            since = state.down_since
+            if since is None or state.entries_dropped or now - since < self.grace_s:
+                continue
+            logger.warning(
+                "instance %s down for %.0f s (grace period): its index entries are dropped",
+                instance_id,
+                now - since,
+            )
+            state.entries_dropped = True
+            if state.exact:
+                state.num_removals_since_loss = state.num_unknown_removals_since_loss = 0
+            state.exact = False
+            self._clear(instance_id)
+
+    def _became_exact(self, instance_id: str, state: InstanceState) -> None:
+        state.exact = True
+        state.entries_dropped = False
+        state.misconfigured = None
+        if self.hash_check is not None:
+            self.hash_check.reset(instance_id)
+
+    def _check_hashes(
+        self, state: InstanceState, instance_id: str, events: list[KVCacheEvent]
+    ) -> bool:
+        """False (and the instance marked misconfigured, its entries cleared) on a mismatch."""
+        check = self.hash_check
+        if check is None or check.done(instance_id):
+            return True
+        problem = check.check(instance_id, events)
+        if problem is None:
+            return True
+        if state.misconfigured is None:
+            logger.error("%s", problem)
+            self._clear(instance_id)
+        state.misconfigured = problem
+        return False
 
     def _state(self, instance_id: str) -> InstanceState:
         state = self.states.get(instance_id)
@@ -222,18 +372,53 @@ class Router:
     def _apply(
         self, state: InstanceState, instance_id: str, events: Iterable[KVCacheEvent]
     ) -> bool:
+        stream = events if isinstance(events, list) else list(events)
+        if state.misconfigured is not None or not self._check_hashes(state, instance_id, stream):
+            state.num_batches_skipped += 1
+            return True
+        if self._use_int:
+            stream = external_events(stream)
+        shadow = self.shadow
+        counter: Any = shadow if shadow is not None else self.index
+        unknown_before = getattr(counter, "num_unknown_removals", 0)
+        if shadow is not None:
+            shadow.apply_events(instance_id, stream)  # the router's own copy: never dropped
+        applied = False
         if self._usable():
-            if self._use_int:
-                events = external_events(events)
             try:
-                self.index.apply_events(instance_id, events)
+                self.index.apply_events(instance_id, stream)
             except IndexUnavailableError as exc:
                 self._enter_outage(exc)
             else:
-                state.num_batches_applied += 1
-                return True
-        self.num_dropped_event_batches += 1
-        return False
+                applied = True
+        if not state.exact:
+            self._track_coverage(state, instance_id, stream, unknown_before, counter)
+        if applied or shadow is not None:
+            state.num_batches_applied += 1
+        if not applied:
+            self.num_dropped_event_batches += 1
+        return applied
+
+    def _track_coverage(
+        self,
+        state: InstanceState,
+        instance_id: str,
+        events: list[KVCacheEvent],
+        unknown_before: int,
+        counter: Any,
+    ) -> None:
+        """An inexact instance: count its evictions (coverage); a clear makes it exact."""
+        removed = 0
+        for event in events:
+            kind = type(event)
+            if kind is BlockRemoved:
+                removed += len(cast(BlockRemoved, event).block_hashes)
+            elif kind is AllBlocksCleared:
+                self._became_exact(instance_id, state)  # the engine emptied its cache itself
+                return
+        state.num_removals_since_loss += removed
+        unknown = getattr(counter, "num_unknown_removals", 0) - unknown_before
+        state.num_unknown_removals_since_loss += max(0, min(unknown, removed))
 
     # ------------------------------------------------------------------ routing
 
@@ -247,9 +432,13 @@ class Router:
         """Pick an instance (among `candidates`, default all; with `policy`, default the
         router's) for a request with these (external) block hashes."""
         policy = policy or self.policy
-        ids = self.instance_ids if candidates is None else candidates
-        if not ids:
+        wanted = self.instance_ids if candidates is None else candidates
+        if not wanted:
             raise InvalidArgumentError("no candidate instance to route to")
+        ids = [i for i in wanted if self.states[i].safe]
+        if not ids:
+            reasons = {i: self.states[i].down or self.states[i].misconfigured for i in wanted}
+            raise NoInstanceAvailableError(f"no instance can take the request now: {reasons}")
         if not policy.uses_index:
             return RoutingDecision(policy.choose(ids, loads, None), policy.name, 0, False)
         try:
@@ -264,7 +453,8 @@ class Router:
     def score(
         self, block_hashes: Sequence[Hashable], instance_ids: Sequence[str] | None = None
     ) -> dict[str, int]:
-        """Each instance's longest cached prefix of the request, in blocks, per the index.
+        """Each instance's longest cached prefix of the request, in blocks, per the index
+        (0 for an instance that is down or misconfigured).
 
         Raises `IndexUnavailableError` while the index cannot be used (after a failed call,
         until the next successful retry).
@@ -274,11 +464,16 @@ class Router:
             raise IndexUnavailableError("the prefix index is unavailable")
         if self._use_int and block_hashes and type(block_hashes[0]) is bytes:
             block_hashes = [to_external_hash(cast(bytes, h)) for h in block_hashes]
+        states = self.states
+        served = [i for i in ids if states[i].safe]
         try:
-            return self.index.match_lengths(block_hashes, ids)
+            lengths = self.index.match_lengths(block_hashes, served)
         except IndexUnavailableError as exc:
             self._enter_outage(exc)
             raise
+        if len(served) == len(ids):
+            return lengths
+        return {i: lengths.get(i, 0) for i in ids}  # down or misconfigured: never a hit
 
     # ------------------------------------------------------------------ outages and recovery
 
@@ -317,8 +512,11 @@ class Router:
         first = not self._claimed
         for instance_id in self.instance_ids:
             if first:
-                # Start: nothing applied yet, and the stream will deliver everything.
+                # Start: nothing applied yet, and the stream will deliver everything. What a
+                # populated backend holds is not trusted: its epoch is not ours.
                 self.index.clear_instance(instance_id)
+            elif self.shadow is not None:
+                self._rebuild(instance_id, self.shadow)
             else:
                 self._resync(instance_id)
         self._claimed = True
@@ -328,21 +526,39 @@ class Router:
             inexact = [i for i, state in self.states.items() if not state.exact]
             logger.warning(
                 "prefix index recovered: %d instances resynchronised%s; prefix-aware routing "
-                "resumes",
+                "resumes" + (" (rebuilt from the router's own copy)" if self.shadow else ""),
                 len(self.instance_ids) - len(inexact),
                 f", {len(inexact)} cleared (no snapshot): {inexact}" if inexact else "",
             )
+
+    def _rebuild(self, instance_id: str, shadow: InMemoryPrefixIndex) -> None:
+        """Write the router's own copy of the instance's entries into the backend."""
+        per_where: dict[tuple[str | None, int | None], list[Hashable]] = {}
+        for (medium, group, block_hash), count in shadow.instance_contents(instance_id).items():
+            per_where.setdefault((medium, group), []).extend([block_hash] * count)
+        events: list[KVCacheEvent] = [AllBlocksCleared()]
+        for (medium, group), hashes in per_where.items():
+            events.append(BlockStored(hashes, None, [], 0, None, medium, group_idx=group))  # type: ignore[arg-type]
+        self.index.apply_events(instance_id, events)
 
     def _resync(self, instance_id: str) -> None:
         source = self.snapshot_source(instance_id) if self.snapshot_source else None
         if source is None:
             self.index.clear_instance(instance_id)
-            self.states[instance_id].exact = False
+            if self.shadow is not None:
+                self.shadow.clear_instance(instance_id)
+            state = self.states[instance_id]
+            if state.exact:
+                state.num_removals_since_loss = state.num_unknown_removals_since_loss = 0
+            state.exact = False
         else:
             self._install_snapshot(instance_id, source)
 
     def _install_snapshot(
-        self, instance_id: str, source: EventBatch | Iterable[KVCacheEvent]
+        self,
+        instance_id: str,
+        source: EventBatch | Iterable[KVCacheEvent],
+        to_index: bool = True,
     ) -> None:
         state = self.states[instance_id]
         next_seq = None
@@ -351,8 +567,13 @@ class Router:
             source = source.events
         # A snapshot replaces what the instance held: clear first even if it does not.
         events: list[KVCacheEvent] = [AllBlocksCleared(), *source]
-        self.index.apply_events(instance_id, external_events(events) if self._use_int else events)
-        state.exact = True
+        if self._use_int:
+            events = external_events(events)
+        if self.shadow is not None:
+            self.shadow.apply_events(instance_id, events)
+        if to_index:
+            self.index.apply_events(instance_id, events)
+        self._became_exact(instance_id, state)
         state.num_snapshots += 1
         if next_seq is not None:
             state.next_seq = next_seq

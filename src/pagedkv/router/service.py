@@ -17,20 +17,23 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagedkv.block import to_external_hash
-from pagedkv.errors import InvalidArgumentError, MissingDependencyError, PagedKVError
+from pagedkv.errors import InvalidArgumentError, MissingDependencyError, PagedKVError, install_hint
 from pagedkv.hashing import make_request_block_hasher
 from pagedkv.request import Request
 from pagedkv.router.feeds import EventFeeds
+from pagedkv.router.hash_check import BlockHashCheck
+from pagedkv.router.http_schema import BodyError, ReleaseBody, RouteBody, ScoreBody, decode_body
 from pagedkv.router.index import IndexUnavailableError, InMemoryPrefixIndex
 from pagedkv.router.policies import ROUTING_POLICY_NAMES, make_policy
-from pagedkv.router.router import Router
+from pagedkv.router.router import NoInstanceAvailableError, Router
 from pagedkv.router.service_config import ServiceConfig
 
 try:
     from aiohttp import web
+    from aiohttp.http_exceptions import HttpProcessingError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(
-        "The router service needs aiohttp: pip install 'pagedkv[router]'"
+        f"The router service needs aiohttp: {install_hint('router')}"
     ) from exc
 
 logger = logging.getLogger(__name__)
@@ -59,16 +62,21 @@ class RouterService:
             index = RedisPrefixIndex(config.index, idempotent_stores=idempotent)
         self.router = Router(
             ids,
-            make_policy(config.policy, config.max_load_gap),
+            make_policy(config.policy, config.max_load_gap, config.seed),
             index=index,
             snapshot_source=self._snapshot,
             retry_interval_s=config.retry_interval_s,
+            grace_s=config.grace_s,
+            hash_check=BlockHashCheck(config.hash_algorithm, config.block_size),
         )
         self.policies = {
-            name: make_policy(name, config.max_load_gap) for name in ROUTING_POLICY_NAMES
+            name: make_policy(name, config.max_load_gap, config.seed)
+            for name in ROUTING_POLICY_NAMES
         }
         self.policies[config.policy] = self.router.policy
-        self.feeds = EventFeeds(self.router, config.instances, config.replay_timeout_s, context)
+        self.feeds = EventFeeds(
+            self.router, config.instances, config.replay_timeout_s, context, config.stale_after_s
+        )
         self.hasher = make_request_block_hasher(config.block_size, config.hash_algorithm)
         self.tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else None
         self.in_flight: dict[str, int] = dict.fromkeys(ids, 0)
@@ -81,8 +89,10 @@ class RouterService:
 
     def describe(self) -> str:
         config = self.config
+        num = len(config.instances)
+        instances = f"{num} instance{'s' if num != 1 else ''}"
         return (
-            f"pagedkv router: {len(config.instances)} instances, index {config.index}, policy "
+            f"pagedkv router: {instances}, index {config.index}, policy "
             f"{config.policy}; prompts hashed with {config.hash_algorithm} at block size "
             f"{config.block_size} (instances must cache with the same algorithm and block size)"
         )
@@ -93,17 +103,21 @@ class RouterService:
         tokens = body.get("token_ids")
         if tokens is None and "text" in body:
             if self.tokenizer is None:
-                raise InvalidArgumentError("'text' needs a tokenizer: start with --tokenizer DIR")
+                raise BodyError("text: needs a tokenizer: start with --tokenizer DIR", "text")
             if not isinstance(body["text"], str):
-                raise InvalidArgumentError("'text' must be a string")
+                raise BodyError("text: must be a string", "text")
             tokens = self.tokenizer.encode(body["text"], add_special_tokens=True)
         if not isinstance(tokens, list):
-            raise InvalidArgumentError("the body needs 'token_ids' (a list of ints) or 'text'")
+            raise BodyError("the body needs 'token_ids' (a list of ints) or 'text'", "token_ids")
         if not tokens:
             return []
         self.num_requests += 1
         request = Request(f"r{self.num_requests}", tokens, block_hasher=self.hasher)
-        return [to_external_hash(h) for h in request.block_hashes]
+        # vLLM computes at least the last prompt token again (its logits start decoding), so
+        # a prefix hit covers at most len - 1 tokens: a fully cached, block-aligned prompt
+        # reuses one block less than it caches.
+        num_blocks = (len(tokens) - 1) // self.config.block_size
+        return [to_external_hash(h) for h in request.block_hashes[:num_blocks]]
 
     def candidates(self, body: Mapping[str, Any]) -> list[str]:
         wanted = body.get("instances")
@@ -111,7 +125,11 @@ class RouterService:
             return list(self.router.instance_ids)
         unknown = [i for i in wanted if i not in self.in_flight] if isinstance(wanted, list) else 0
         if not isinstance(wanted, list) or unknown or not wanted:
-            raise InvalidArgumentError(f"'instances' must list known instances, got {wanted!r}")
+            raise BodyError(
+                f"instances: must list known instances, got {wanted!r} (known: "
+                f"{list(self.in_flight)})",
+                "instances",
+            )
         return wanted
 
     def score(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -131,19 +149,25 @@ class RouterService:
         }
 
     def _score_entry(self, instance_id: str, num_blocks: int) -> dict[str, Any]:
-        return {
+        state = self.router.states[instance_id]
+        entry: dict[str, Any] = {
             "blocks": num_blocks,
             "tokens": num_blocks * self.config.block_size,
-            "connected": self.router.states[instance_id].connected,
+            "connected": state.connected,
+            "exact": state.exact and state.safe,
+            "safe": state.safe,
         }
+        if not state.safe:
+            entry["excluded"] = state.misconfigured or state.down
+        return entry
 
     def route(self, body: Mapping[str, Any]) -> dict[str, Any]:
         hashes = self.block_hashes(body)
         ids = self.candidates(body)
         name = body.get("policy", self.config.policy)
         if name not in self.policies:
-            raise InvalidArgumentError(
-                f"unknown policy {name!r}; choose one of {ROUTING_POLICY_NAMES}"
+            raise BodyError(
+                f"policy: unknown policy {name!r}; choose one of {ROUTING_POLICY_NAMES}", "policy"
             )
         loads = body.get("loads")
         track = loads is None
@@ -152,7 +176,7 @@ class RouterService:
         elif not isinstance(loads, dict) or not all(
             isinstance(v, int | float) for v in loads.values()
         ):
-            raise InvalidArgumentError("'loads' must map instance ids to numbers")
+            raise BodyError("loads: must map instance ids to numbers", "loads")
         with self.feeds.lock:
             start = time.perf_counter()
             decision = self.router.route(hashes, loads, ids, policy=self.policies[name])
@@ -162,7 +186,10 @@ class RouterService:
         if track:
             self.in_flight[decision.instance_id] += 1
         lengths = decision.match_lengths or {}
+        chosen_state = self.router.states[decision.instance_id]
+        hint = {} if chosen_state.exact else {"kv_cache_report_mode": "full"}
         return {
+            **hint,
             "instance": decision.instance_id,
             "policy": decision.policy,
             "fallback": decision.fallback,
@@ -176,7 +203,10 @@ class RouterService:
     def release(self, body: Mapping[str, Any]) -> dict[str, Any]:
         instance_id = body.get("instance")
         if instance_id not in self.in_flight:
-            raise InvalidArgumentError(f"unknown instance {instance_id!r}")
+            raise BodyError(
+                f"instance: unknown instance {instance_id!r} (known: {list(self.in_flight)})",
+                "instance",
+            )
         self.in_flight[instance_id] = max(0, self.in_flight[instance_id] - 1)
         return {"instance": instance_id, "in_flight": self.in_flight[instance_id]}
 
@@ -188,7 +218,12 @@ class RouterService:
                     "endpoint": self.endpoints[i][0],
                     "replay_endpoint": self.endpoints[i][1],
                     "connected": state.connected,
-                    "exact": state.exact,
+                    "down": state.down,
+                    "misconfigured": state.misconfigured,
+                    "exact": state.exact and state.safe,
+                    "safe": state.safe,
+                    "coverage": round(state.coverage, 4),
+                    "restarts": self.feeds.subscribers[i].num_restarts,
                     "last_seq": self.feeds.applied_seq[i],
                     "in_flight": self.in_flight[i],
                     "batches_applied": state.num_batches_applied,
@@ -198,7 +233,7 @@ class RouterService:
                 for i, state in router.states.items()
             }
             return {
-                "ready": router.exact,
+                "ready": router.ready,
                 "block_size": self.config.block_size,
                 "hash_algorithm": self.config.hash_algorithm,
                 "policy": self.config.policy,
@@ -215,7 +250,7 @@ class RouterService:
         if not isinstance(targets, dict) or not all(
             i in self.in_flight and isinstance(s, int) for i, s in targets.items()
         ):
-            raise InvalidArgumentError("'sync' must map known instance ids to sequence numbers")
+            raise BodyError("sync: must map known instance ids to sequence numbers", "sync")
         deadline = time.monotonic() + MAX_SYNC_WAIT_S
         while not self.feeds.caught_up(targets):
             if time.monotonic() > deadline:
@@ -228,7 +263,7 @@ def _load_tokenizer(path: str) -> Any:
         from transformers import AutoTokenizer
     except ImportError as exc:
         raise MissingDependencyError(
-            "--tokenizer needs transformers: pip install 'pagedkv[torch]'"
+            f"--tokenizer needs transformers: {install_hint('torch')}"
         ) from exc
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -302,23 +337,56 @@ class _FeedCollector:
             yield size
 
 
+class _ClientFaultFilter(logging.Filter):
+    """Turns aiohttp's report of a client's fault (a dropped connection, a malformed request,
+    an oversized header) into one warning line; a fault of ours keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, ConnectionError | HttpProcessingError):
+            reason = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
+            reason = " ".join(str(reason).split())
+            if len(reason) > 160:
+                reason = reason[:160] + "..."
+            record.msg = f"{record.getMessage()}: {type(exc).__name__}: {reason} (client fault)"
+            record.args = None
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_CLIENT_FAULT_FILTER = _ClientFaultFilter()
+
+
+def quiet_client_faults() -> None:
+    """Install the one-line logging of clients' faults on aiohttp's server logger (once)."""
+    server_logger = logging.getLogger("aiohttp.server")
+    if _CLIENT_FAULT_FILTER not in server_logger.filters:
+        server_logger.addFilter(_CLIENT_FAULT_FILTER)
+
+
 def make_app(service: RouterService) -> web.Application:
     """The aiohttp application: POST /score /route /release, GET /health /ready /metrics."""
+    quiet_client_faults()
     app = web.Application(client_max_size=MAX_BODY_BYTES)
 
-    def json_handler(method: Any) -> Any:
+    def json_handler(method: Any, schema: Any) -> Any:
         async def handle(request: web.Request) -> web.Response:
             try:
-                body = await request.json()
-                if not isinstance(body, dict):
-                    raise InvalidArgumentError("the body must be a JSON object")
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                error = f"the body is over {MAX_BODY_BYTES:,} bytes"
+                return web.json_response({"error": error, "field": None}, status=413)
+            try:
+                body = decode_body(raw, schema)  # every field's type and range, or BodyError
                 if "sync" in body:
                     await service.wait_for_seqs(body["sync"])
                 return web.json_response(method(body))
-            except IndexUnavailableError as exc:
+            except (IndexUnavailableError, NoInstanceAvailableError) as exc:
                 return web.json_response({"error": str(exc)}, status=503)
             except (PagedKVError, ValueError) as exc:
-                return web.json_response({"error": str(exc)}, status=400)
+                field = exc.field if isinstance(exc, BodyError) else None
+                return web.json_response({"error": str(exc), "field": field}, status=400)
 
         return handle
 
@@ -336,9 +404,9 @@ def make_app(service: RouterService) -> web.Application:
             payload = generate_latest(service.metrics.registry)
         return web.Response(body=payload, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app.router.add_post("/score", json_handler(service.score))
-    app.router.add_post("/route", json_handler(service.route))
-    app.router.add_post("/release", json_handler(service.release))
+    app.router.add_post("/score", json_handler(service.score, ScoreBody))
+    app.router.add_post("/route", json_handler(service.route, RouteBody))
+    app.router.add_post("/release", json_handler(service.release, ReleaseBody))
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

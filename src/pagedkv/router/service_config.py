@@ -12,6 +12,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.hashing import HASH_ALGORITHMS
 from pagedkv.router.index import check_instance_id
 from pagedkv.router.policies import ROUTING_POLICY_NAMES
+from pagedkv.wire.endpoints import check_endpoint
 
 INSTANCE_FORMATS = ("pagedkv", "vllm")
 VLLM_HASH_ALGORITHM = "sha256_cbor"
@@ -35,6 +36,9 @@ class InstanceConfig:
     format: str = "pagedkv"
     idempotent_stores: bool | None = None
     """None: True for vLLM instances, False for pagedkv ones."""
+    health_url: str | None = None
+    """Optional: the engine's health endpoint (vLLM: http://HOST:PORT/health); while it fails
+    the instance is down (not scored, not routed to)."""
 
     def __post_init__(self) -> None:
         try:
@@ -42,11 +46,18 @@ class InstanceConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         for name, endpoint in (("endpoint", self.endpoint), ("replay", self.replay_endpoint)):
-            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ConfigError(
-                    f"instance {self.instance_id}: {name} must be tcp://HOST:PORT, ipc:// or "
-                    f"inproc://, got {endpoint!r}"
-                )
+            if endpoint is not None:
+                try:
+                    check_endpoint(endpoint)
+                except ValueError as exc:
+                    raise ConfigError(f"instance {self.instance_id}: {name} {exc}") from exc
+        if self.health_url is not None and not (
+            isinstance(self.health_url, str) and self.health_url.startswith(("http://", "https://"))
+        ):
+            raise ConfigError(
+                f"instance {self.instance_id}: health_url must be http(s)://..., got "
+                f"{self.health_url!r}"
+            )
         if self.format not in INSTANCE_FORMATS:
             raise ConfigError(
                 f"instance {self.instance_id}: format must be one of {INSTANCE_FORMATS}, got "
@@ -73,6 +84,14 @@ class ServiceConfig:
     port: int = 8000
     retry_interval_s: float = 1.0
     replay_timeout_s: float = 1.0
+    """Replay progress deadline: the wait for the first batch of an answer and between two."""
+    stale_after_s: float = 3.0
+    """An instance whose stream carries no batch and no heartbeat for this long is down; also
+    how long `/ready` waits for an instance that never connected."""
+    grace_s: float = 30.0
+    """How long a down instance's entries are kept for its stream to resume."""
+    seed: int = 0
+    """Seeds the random tie-break between equally good, equally loaded instances."""
     tokenizer: str | None = None
     """A local tokenizer directory (transformers), so requests may send text."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -107,15 +126,26 @@ class ServiceConfig:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if not self.retry_interval_s >= 0 or not self.replay_timeout_s > 0:
             raise ConfigError("retry_interval_s must be >= 0 and replay_timeout_s > 0")
+        for name in ("stale_after_s", "grace_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an int, got {self.seed!r}")
 
 
 def parse_instance(spec: str, instance_format: str = "pagedkv") -> InstanceConfig:
-    """`ID=ENDPOINT[,REPLAY_ENDPOINT]` from the command line."""
+    """`ID=ENDPOINT[,REPLAY_ENDPOINT[,HEALTH_URL]]` from the command line."""
     instance_id, sep, endpoints = spec.partition("=")
-    if not sep or not endpoints:
-        raise ConfigError(f"--instance takes ID=ENDPOINT[,REPLAY_ENDPOINT], got {spec!r}")
-    endpoint, _, replay = endpoints.partition(",")
-    return InstanceConfig(instance_id, endpoint, replay or None, format=instance_format)
+    parts = endpoints.split(",")
+    if not sep or not endpoints or len(parts) > 3:
+        raise ConfigError(
+            f"--instance takes ID=ENDPOINT[,REPLAY_ENDPOINT[,HEALTH_URL]], got {spec!r}"
+        )
+    endpoint, replay, health = [*parts, "", ""][:3]
+    return InstanceConfig(
+        instance_id, endpoint, replay or None, format=instance_format, health_url=health or None
+    )
 
 
 _FILE_KEYS = {
@@ -128,10 +158,21 @@ _FILE_KEYS = {
     "port",
     "retry_interval_s",
     "replay_timeout_s",
+    "stale_after_s",
+    "grace_s",
+    "seed",
     "tokenizer",
     "instances",
 }
-_INSTANCE_KEYS = {"id", "endpoint", "replay_endpoint", "topic", "format", "idempotent_stores"}
+_INSTANCE_KEYS = {
+    "id",
+    "endpoint",
+    "replay_endpoint",
+    "topic",
+    "format",
+    "idempotent_stores",
+    "health_url",
+}
 
 
 def load_config_file(path: str | Path, overrides: dict[str, Any]) -> ServiceConfig:
@@ -161,6 +202,7 @@ def load_config_file(path: str | Path, overrides: dict[str, Any]) -> ServiceConf
                 topic=item.get("topic", ""),
                 format=item.get("format", "pagedkv"),
                 idempotent_stores=item.get("idempotent_stores"),
+                health_url=item.get("health_url"),
             )
         )
     settings = {**data, **{k: v for k, v in overrides.items() if v is not None}}

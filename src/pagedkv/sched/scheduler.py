@@ -137,6 +137,8 @@ class Scheduler:
                 )
         self.waiting.add(request)
         self.requests[request_id] = request
+        # Once per entry into the queue (the look-ahead and session policies; else a no-op).
+        manager.add_waiting(request)
 
     def abort_request(self, request_id: str) -> bool:
         """Finish an unfinished request as aborted and free its blocks; False if unknown."""
@@ -402,6 +404,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.waiting.prepend(request)
+        self.kv_cache_manager.add_waiting(request)
 
     # ------------------------------------------------------------------ outputs
 

@@ -8,6 +8,9 @@ The managers are the real ones, so `lru` gives exactly `replay`'s hit rates. Blo
 as in every simulator mode: by the trace's token runs (`TraceBlockHasher`), or by hashing the
 tokens with `hash_tokens`. Unlike `replay`, each prompt is a real `Request` (the host tier's
 lookup and load and the policies' hooks take one), built once and shared by every manager.
+Each request is announced with `add_waiting` before it is served (the session policies learn
+its arrival; the look-ahead has nothing to protect, since nothing waits in replay), and the
+policies' clock is the trace's arrival time.
 """
 
 from __future__ import annotations
@@ -130,13 +133,17 @@ def replay_policies(
     num_block_uses = sum(len(keys) for keys in uses)
     _check_memory(policies, capacities_blocks, host_capacity_blocks, num_block_uses)
     lanes = []
+    clock = _TraceClock()
     for policy in policies:
         for capacity in capacities_blocks:
             oracle = None
             if policy == "belady":
                 oracle = _oracle_for(capacity, uses, num_blocks_needed, oracles)
             eviction = EvictionConfig(
-                policy=policy, oracle=oracle, host_num_blocks=host_capacity_blocks
+                policy=policy,
+                oracle=oracle,
+                host_num_blocks=host_capacity_blocks,
+                clock=clock.read,
             )
             manager = KVCacheManager(
                 KVCacheConfig(capacity + 1, groups), max_model_len, eviction=eviction
@@ -147,6 +154,7 @@ def replay_policies(
         for oracle in advancing:
             oracle.advance(index)
         request = _make_request(trace_request, hasher)
+        clock.now_s = trace_request.arrival_time_s
         for lane in lanes:
             lane.serve(request)
         if progress is not None:
@@ -163,6 +171,18 @@ def replay_policies(
         )
         for lane in lanes
     ]
+
+
+class _TraceClock:
+    """The replay's time: the arrival time of the request being served."""
+
+    __slots__ = ("now_s",)
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def read(self) -> float:
+        return self.now_s
 
 
 class _Lane:
@@ -185,6 +205,7 @@ class _Lane:
 
     def serve(self, request: Request) -> None:
         manager = self.manager
+        manager.add_waiting(request)
         hit_blocks, num_device, _ = manager.get_computed_blocks(request)
         num_host = manager.get_num_host_hit_tokens(request, num_device)
         allocated = manager.allocate_slots(
@@ -197,6 +218,7 @@ class _Lane:
         )
         if allocated is None:
             self.num_requests_not_fit += 1
+            manager.remove_waiting(request)
             return
         manager.load_from_host(request, num_device, num_host)
         self.num_device_hit_tokens += num_device
@@ -208,12 +230,18 @@ def _make_request(trace_request: TraceRequest, hasher: RequestBlockHasher) -> Re
     """The prompt as a request with its block keys (a replayed prompt never grows)."""
     if not isinstance(hasher, TraceBlockHasher):
         return Request(
-            trace_request.request_id, trace_request.prompt_token_ids(), block_hasher=hasher
+            trace_request.request_id,
+            trace_request.prompt_token_ids(),
+            block_hasher=hasher,
+            session_id=trace_request.session_id,
         )
     hasher.register(trace_request.request_id, trace_request)
     try:
         return Request(
-            trace_request.request_id, trace_request.prompt_token_ids(), block_hasher=hasher
+            trace_request.request_id,
+            trace_request.prompt_token_ids(),
+            block_hasher=hasher,
+            session_id=trace_request.session_id,
         )
     finally:
         hasher.forget(trace_request.request_id)

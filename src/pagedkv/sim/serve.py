@@ -52,7 +52,8 @@ class ServeConfig:
     its pool must hold `num_blocks + 1` blocks, requests are hashed at the manager's
     `hash_block_size` (the gcd of the group block sizes), and the manager bounds each request's
     in-flight tokens by `scheduler.max_num_batched_tokens`, as the sizing did.
-    `eviction`: the pool's eviction policy (an online one). `host_num_blocks`: a host-memory
+    `eviction`: the pool's eviction policy (an online one); `lookahead`: the waiting-queue
+    look-ahead on top of it. `host_num_blocks`: a host-memory
     tier of that many blocks (0: none); a request whose prefix continues there waits, holding
     its blocks, `host_load_s_per_token` per loaded token (the profile's PCIe link) before its
     prefill goes on, as vLLM's asynchronous KV loading does.
@@ -75,6 +76,7 @@ class ServeConfig:
     enable_kv_cache_events: bool = False
     kv_cache_config: KVCacheConfig | None = None
     eviction: str = "lru"
+    lookahead: bool = False
     host_num_blocks: int = 0
     host_load_s_per_token: float = 0.0
     hash_tokens: bool = False
@@ -163,6 +165,7 @@ class ServeRun:
             watermark=config.watermark,
             eviction=EvictionConfig(
                 policy=config.eviction,
+                lookahead=config.lookahead,
                 host_num_blocks=config.host_num_blocks,
                 clock=self.clock,
             ),
@@ -296,6 +299,7 @@ class ServeRun:
             block_hasher=self.hasher,
             priority=trace_request.priority,
             arrival_time=arrival_s,
+            session_id=trace_request.session_id,
         )
 
     def add_request(self, request: Request, trace_request: TraceRequest, arrival_s: float) -> None:

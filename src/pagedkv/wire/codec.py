@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
 
-from pagedkv.errors import InvalidArgumentError, MissingDependencyError, PagedKVError
+from pagedkv.errors import InvalidArgumentError, MissingDependencyError, PagedKVError, install_hint
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 SCHEMA_VERSION = 1
@@ -65,7 +65,7 @@ def _structs() -> Any:
         import msgspec
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise MissingDependencyError(
-            "KV events on the wire need msgspec: pip install 'pagedkv[events]'"
+            f"KV events on the wire need msgspec: {install_hint('events')}"
         ) from exc
 
     hash_type = int | bytes

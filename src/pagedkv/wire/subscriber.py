@@ -10,15 +10,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.errors import MissingDependencyError
+from pagedkv.errors import InvalidArgumentError, MissingDependencyError, install_hint
 from pagedkv.events import AllBlocksCleared, KVCacheEvent
 from pagedkv.wire.codec import EventBatch, EventDecoder, WireFormatError
+from pagedkv.wire.endpoints import (
+    check_endpoint,
+    should_bind_subscriber,
+    wants_ipv6,
+    warn_unresolved,
+)
 
 try:
     import zmq
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(
-        "KV events over ZeroMQ need pyzmq: pip install 'pagedkv[events]'"
+        f"KV events over ZeroMQ need pyzmq: {install_hint('events')}"
     ) from exc
 
 logger = logging.getLogger(__name__)
@@ -30,6 +36,8 @@ END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
 SNAPSHOT_REQUEST = b"pagedkv.snapshot"
 """Replay-socket request for a snapshot (16 bytes, so never mistaken for an 8-byte seq)."""
 
+_HANDSHAKE_SUCCEEDED = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)
+
 
 @dataclass(slots=True)
 class ReceivedBatch:
@@ -38,6 +46,8 @@ class ReceivedBatch:
     seq: int
     batch: EventBatch
     replayed: bool = False
+    num_lost_before: int = 0
+    """Batches lost for good just before this one (a consumer clears before applying it)."""
 
 
 class ZmqEventSubscriber:
@@ -73,15 +83,34 @@ class ZmqEventSubscriber:
         context: Any = None,
         replay_timeout_s: float = 1.0,
         decoder: EventDecoder | None = None,
+        stale_after_s: float | None = None,
     ) -> None:
+        if not replay_timeout_s > 0:
+            raise InvalidArgumentError(f"replay_timeout_s must be > 0, got {replay_timeout_s!r}")
+        if stale_after_s is not None and not stale_after_s > 0:
+            raise InvalidArgumentError(f"stale_after_s must be > 0, got {stale_after_s!r}")
+        bind = should_bind_subscriber(endpoint)  # checks the endpoint's syntax
+        if replay_endpoint is not None:
+            check_endpoint(replay_endpoint)
         self._context = context or zmq.Context.instance()
         self._decoder = decoder or EventDecoder()
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.replay_timeout_s = replay_timeout_s
+        self.stale_after_s = stale_after_s
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        if wants_ipv6(endpoint):
+            self._sub.setsockopt(zmq.IPV6, 1)
+        if stale_after_s is not None:
+            # ZMTP heartbeats: the peer's libzmq answers PING itself, so a publisher that
+            # neither sends a batch nor answers within stale_after_s (stopped, hung, its host
+            # gone) is dropped as disconnected without any cooperation from the engine.
+            timeout_ms = max(1, int(stale_after_s * 1000))
+            self._sub.setsockopt(zmq.HEARTBEAT_IVL, max(1, timeout_ms // 3))
+            self._sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+            self._sub.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
         self._replay: Any = None
         self.last_seq: int | None = None
         self.num_received = 0
@@ -95,21 +124,33 @@ class ZmqEventSubscriber:
         self.num_restarts = 0
         self.num_disconnects = 0
         self._last_live_seq: int | None = None
+        self._pending_lost = 0
         self._last_ts: float | None = None  # of batch `last_seq`: tells incarnations apart
-        self._suspect_restart = False
         self._monitor: Any = None
         self.connected: bool | None = None
         """Over tcp/ipc: whether the SUB socket is connected (None until known, or inproc)."""
+        self.suspect_restart = False
+        """Disconnected since the last batch: the publisher may be a new one (not trusted)."""
         if endpoint.startswith(("tcp://", "ipc://")):
+            # Connected means the ZMTP handshake succeeded: a TCP connection alone is accepted
+            # by the kernel even for a stopped process.
             self._monitor = self._sub.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+                _HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
             )
             self.connected = False
+        warn_unresolved(endpoint)
         # Connect after the monitor is attached, or a quick connection goes unseen.
-        if "*" in endpoint or "::" in endpoint:
-            self._sub.bind(endpoint)  # the publisher connects (its endpoint names a host)
-        else:
-            self._sub.connect(endpoint)
+        try:
+            if bind:
+                self._sub.bind(endpoint)  # the publisher connects (its endpoint names a host)
+            else:
+                self._sub.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise InvalidArgumentError(
+                f"cannot {'bind' if bind else 'connect to'} the KV event endpoint "
+                f"{endpoint!r}: {exc}"
+            ) from exc
 
     def poll(self, timeout_s: float = 0.0, max_batches: int = 10_000) -> list[ReceivedBatch]:
         """Wait up to `timeout_s` for data, then return every batch ready to apply."""
@@ -193,14 +234,14 @@ class ZmqEventSubscriber:
 
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
-            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+            if event == _HANDSHAKE_SUCCEEDED:
                 self.connected = True
-                if self._suspect_restart:
+                if self.suspect_restart:
                     self._resolve_reconnect(out)
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self.num_disconnects += 1
-                self._suspect_restart = True
+                self.suspect_restart = True
 
     def _handle(self, frames: list[bytes], out: list[ReceivedBatch]) -> None:
         if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
@@ -211,14 +252,14 @@ class ZmqEventSubscriber:
         self._last_live_seq = seq
         if last_live is not None and seq < last_live:
             self._restart(out)  # a live stream never goes back: a new publisher
-        elif self._suspect_restart:
+        elif self.suspect_restart:
             self._resolve_reconnect(out)
         if self.last_seq is not None and seq <= self.last_seq:
             self.num_duplicates += 1
             return
         expected = 0 if self.last_seq is None else self.last_seq + 1
         if seq > expected:
-            self._recover(expected, seq, out)
+            self._recover(expected, seq, out, live_follows=True)
             if self.last_seq is not None and seq <= self.last_seq:
                 self.num_duplicates += 1
                 return
@@ -230,14 +271,15 @@ class ZmqEventSubscriber:
             self._last_ts = None
         else:
             self._last_ts = batch.ts
-            out.append(ReceivedBatch(seq, batch))
+            out.append(ReceivedBatch(seq, batch, num_lost_before=self._pending_lost))
+            self._pending_lost = 0
 
     def _restart(self, out: list[ReceivedBatch]) -> None:
         logger.warning("KV event publisher %s restarted: its stream starts again", self.endpoint)
         self.num_restarts += 1
         self.last_seq = None
         self._last_ts = None
-        self._suspect_restart = False
+        self.suspect_restart = False
         empty = EventBatch(time.time(), [AllBlocksCleared()], snapshot_next_seq=0)
         out.append(ReceivedBatch(0, empty))
 
@@ -246,7 +288,7 @@ class ZmqEventSubscriber:
         batches published before we reconnected are gone from PUB. A snapshot settles it;
         else the replay buffer does: the same publisher still holds our last batch (same seq,
         same timestamp); a new one does not, so its stream is read again from 0."""
-        self._suspect_restart = False
+        self.suspect_restart = False
         self._last_live_seq = None
         snapshot = self._request_snapshot()
         if snapshot is not None:
@@ -302,13 +344,20 @@ class ZmqEventSubscriber:
             logger.warning("skipping a malformed KV event payload: %s", exc)
             return None
 
-    def _recover(self, expected: int, upto: int, out: list[ReceivedBatch]) -> None:
-        """Fill [expected, upto) by replay, else from a snapshot, else count them missed."""
+    def _recover(
+        self, expected: int, upto: int, out: list[ReceivedBatch], live_follows: bool = False
+    ) -> None:
+        """Fill [expected, upto) by replay, else from a snapshot, else count them missed (and
+        still apply what the replay buffer holds after them)."""
         self.num_gaps += 1
+        replayed: list[tuple[int, bytes]] = []
         if self.replay_endpoint is not None:
             replayed = self._request_replay(expected) or []
-            next_needed = self._append_replayed(replayed, expected, upto, out)
-            if next_needed == upto:
+            # Every consecutive batch the answer holds, past `upto` too: after a stall the
+            # live queue is behind (PUB dropped past its HWM), and stopping at `upto` would
+            # turn each later jump into one more gap and one more replay.
+            next_needed = self._append_replayed(replayed, expected, None, out)
+            if next_needed >= upto:
                 return
             snapshot = self._request_snapshot()
             if snapshot is not None and snapshot.seq >= upto:
@@ -317,16 +366,29 @@ class ZmqEventSubscriber:
                 self._last_ts = None
                 return
             expected = next_needed
-        logger.warning("KV events %d..%d are lost (no replay or snapshot)", expected, upto - 1)
-        self.num_missed += upto - expected
-        self.num_lost += upto - expected
-        self.last_seq = upto - 1
+        # The buffer starts after `expected` (it wrapped): lost up to its oldest batch, then
+        # apply the rest of the answer (entries after a loss are real: the instance stays safe).
+        oldest = next((seq for seq, _ in replayed if expected < seq <= upto), upto)
+        logger.warning("KV events %d..%d are lost (no replay or snapshot)", expected, oldest - 1)
+        self.num_missed += oldest - expected
+        self.num_lost += oldest - expected
+        self.last_seq = oldest - 1
         self._last_ts = None
+        first = len(out)
+        self._append_replayed(replayed, oldest, None, out)
+        if len(out) > first:
+            out[first].num_lost_before = oldest - expected
+        elif live_follows:
+            self._pending_lost += oldest - expected  # marks the live batch at `upto`
 
     def _replay_socket(self) -> Any:
+        assert self.replay_endpoint is not None
         if self._replay is None:
             self._replay = self._context.socket(zmq.DEALER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.RCVHWM, 0)  # a whole replay answer may queue here
+            if wants_ipv6(self.replay_endpoint):
+                self._replay.setsockopt(zmq.IPV6, 1)
             self._replay.connect(self.replay_endpoint)
         return self._replay
 
@@ -337,10 +399,12 @@ class ZmqEventSubscriber:
         socket = self._replay_socket()
         socket.send_multipart([b"", request])
         answers: list[tuple[int, bytes]] = []
-        deadline = time.monotonic() + self.replay_timeout_s
+        # A progress deadline: replay_timeout_s for the first frame and between frames, so a
+        # long answer (thousands of batches) is read whole while a silent peer costs one
+        # timeout.
+        timeout_ms = max(1, int(self.replay_timeout_s * 1000))
         while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not socket.poll(remaining_ms):
+            if not socket.poll(timeout_ms):
                 # No complete answer: drop the socket so a late answer cannot be misread.
                 logger.warning("no answer from the replay endpoint %s", self.replay_endpoint)
                 socket.close(linger=0)

@@ -16,9 +16,10 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, overload
 
-from pagedkv.errors import InvalidArgumentError, MissingDependencyError
+from pagedkv.errors import InvalidArgumentError, MissingDependencyError, install_hint
 from pagedkv.events import KVCacheEvent
 from pagedkv.wire.codec import EventBatch, EventEncoder
+from pagedkv.wire.endpoints import wants_ipv6
 from pagedkv.wire.snapshot import CacheMirror
 from pagedkv.wire.subscriber import (
     END_SEQ,
@@ -42,7 +43,7 @@ try:
     import zmq
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(
-        "KV events over ZeroMQ need pyzmq: pip install 'pagedkv[events]'"
+        f"KV events over ZeroMQ need pyzmq: {install_hint('events')}"
     ) from exc
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ def should_bind(endpoint: str) -> bool:
 
 
 def _bind_or_connect(socket: Any, endpoint: str, bind: bool | None = None) -> str:
+    if wants_ipv6(endpoint):
+        socket.setsockopt(zmq.IPV6, 1)
     if should_bind(endpoint) if bind is None else bind:
         socket.bind(endpoint)
         return socket.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -253,6 +256,8 @@ class ZmqEventPublisher:
             if self._requested_replay is not None:
                 router = self._context.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
+                if wants_ipv6(self._requested_replay):
+                    router.setsockopt(zmq.IPV6, 1)
                 router.bind(self._requested_replay)
                 self.replay_endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
         except BaseException as exc:  # noqa: BLE001 - reported to the constructor

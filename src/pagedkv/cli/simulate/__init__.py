@@ -6,6 +6,13 @@ and calls, `progress` the progress bar (Ctrl-C, SIGTERM and SIGHUP: `pagedkv.cli
 Reports and their rendering live in `pagedkv.sim.report`. Standard library only at import time.
 """
 
-from pagedkv.cli.simulate.command import COMMAND, HELP, SAMPLE_TRACE, add_arguments, run
+from pagedkv.cli.simulate.command import (
+    COMMAND,
+    EXAMPLES,
+    HELP,
+    SAMPLE_TRACE,
+    add_arguments,
+    run,
+)
 
-__all__ = ["COMMAND", "HELP", "SAMPLE_TRACE", "add_arguments", "run"]
+__all__ = ["COMMAND", "EXAMPLES", "HELP", "SAMPLE_TRACE", "add_arguments", "run"]

@@ -17,8 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     choice.add_argument(
         "--trace",
         metavar="PATH",
-        help="JSONL trace (Mooncake, token ids or lengths); default: the "
-        "shipped Mooncake conversation sample (1,000 requests); a comma list is a sweep",
+        help="JSONL trace (Mooncake, token ids or lengths); a comma list is a sweep (default "
+        "the shipped Mooncake conversation sample, 1,000 requests)",
     )
     choice.add_argument(
         "--workload",
@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-requests",
         type=int_at_least(1),
         metavar="N",
-        help="use the first N requests of the trace (workloads: generate N, default 400)",
+        help="use the first N requests of the trace; workloads generate N (default the "
+        "whole trace, 300 requests in the memory study, 400 for a workload)",
     )
     source.add_argument(
         "--rate",
@@ -50,10 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--mode",
         choices=("memory", "serve", "replay"),
-        help="memory: serve at several KV-cache sizes and report what each buys (the default "
-        "when no option but --json/--plot/--no-progress/--jobs is given); serve: time-stepped "
-        "serving with the scheduler (the default otherwise); replay: cache-capacity study, one "
-        "request at a time",
+        help="memory: serve at several KV-cache sizes and report what each buys (the default, "
+        "also with --trace, --workload, --num-requests, --capacity LIST, --profile and the "
+        "scheduler options); serve: time-stepped serving with the scheduler (the default with "
+        "one --capacity, --instances, --eviction, --model, --scheduler vllm or a sweep); replay: "
+        "cache-capacity study, one request at a time",
     )
     sim.add_argument(
         "--block-size",
@@ -67,14 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help="KV capacity: blocks (1000, 20k, 1M) or tokens (4Mtok); replay "
         "takes a comma-separated sweep and 'unlimited', the memory study a list of sizes; "
-        "serve takes one value (default: what the profile's GPU memory holds)",
+        "serve takes one value (default what the profile's GPU memory holds)",
     )
     sim.add_argument(
         "--model",
         metavar="NAME_OR_CONFIG",
         help="take the KV-cache groups (full, sliding window, chunked local, Mamba...) and "
         "num_blocks from this model (a shipped name such as gemma-3-12b-it, a config.json or "
-        "a model directory) sized for --memory; default: one synthetic full-attention group",
+        "a model directory) sized for --memory (default one synthetic full-attention group)",
     )
     sim.add_argument(
         "--memory",
@@ -99,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="worker processes for a replay sweep, a memory study or a grid's cells, or the "
-        "CPUs of the local Ray that --executor ray starts (default: one per core; 1: in this "
+        "CPUs of the local Ray that --executor ray starts (default one per core; 1: in this "
         "process)",
     )
 
@@ -125,14 +127,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--time-scale",
         type=float_in(0, open_minimum=True),
-        help="multiply arrival times (0.5 = twice the request rate; default 1, or in the "
-        "memory study the scale at which the GPU is about 70 %% busy)",
+        help="multiply arrival times, 0.5 = twice the request rate (default 1; in the memory "
+        "study the scale at which the GPU is about 70 %% busy)",
     )
     serve.add_argument(
         "--max-model-len",
         type=int_at_least(1),
         metavar="TOKENS",
-        help="longest request (default: the profile's, capped by capacity)",
+        help="longest request (default the profile's, capped by capacity)",
     )
     serve.add_argument(
         "--max-num-batched-tokens",
@@ -203,16 +205,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _OUTPUT_OPTIONS = frozenset(
     {"json", "plot", "no_progress", "jobs", "output", "executor", "ray_address"}
 )
+# Options the memory study reads too (the workload, the scheduler, the cost model, the KV
+# sizes): given without --mode they keep the main job. Any other simulation option (a cluster,
+# an eviction policy, a --model, vLLM's scheduler, a sweep) selects serve mode.
+_MEMORY_OPTIONS = frozenset(
+    {
+        "trace", "workload", "num_requests", "seed", "rate", "arrival", "capacity",
+        "time_scale", "profile", "cost", "block_size", "max_model_len",
+        "max_num_batched_tokens", "max_num_seqs", "policy", "watermark", "no_chunked_prefill",
+        "no_prefix_caching", "long_prefill_token_threshold", "async_caching",
+    }
+)  # fmt: skip
+# A comma list in these makes a sweep (replay or serve cells), never the memory study.
+_SWEEP_AXES = ("trace", "block_size", "profile")
+# The study takes a list of sizes; one --capacity is one serve run at that size.
 
 
 def resolve_mode(args: argparse.Namespace) -> str:
-    """`--mode`, or memory when no simulation option is given, else serve."""
+    """`--mode`, or memory unless an option the memory study does not take is given (serve)."""
     if args.mode is not None:
         return str(args.mode)
     defaults = getattr(args, "_option_defaults", {})
     for name, default in defaults.items():
         if name in _OUTPUT_OPTIONS or name.startswith("_") or name == "mode":
             continue
-        if getattr(args, name, default) != default:
+        value = getattr(args, name, default)
+        if value == default:
+            continue
+        if name not in _MEMORY_OPTIONS:
+            return "serve"
+        if name in _SWEEP_AXES and "," in str(value):
+            return "serve"
+        if name == "capacity" and "," not in str(value):
             return "serve"
     return "memory"

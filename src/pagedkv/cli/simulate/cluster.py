@@ -34,13 +34,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="simulate N instances, each with --capacity blocks (needs the [events] extra)",
     )
     group.add_argument(
-        "--router",
+        "--routing-policy",
+        "--router",  # the older name, kept
+        dest="router",
         choices=(*ROUTING_POLICY_NAMES, "all"),
-        help="routing policy; 'all' runs each and compares them (default: all, or "
+        help="routing policy; 'all' runs each and compares them (default all, or "
         "round-robin for one instance)",
     )
     group.add_argument(
-        "--router-max-load-gap",
+        "--max-load-gap",
+        "--router-max-load-gap",  # the older name, kept
+        dest="router_max_load_gap",
         type=_gap,
         default=4.0,
         metavar="N|none",

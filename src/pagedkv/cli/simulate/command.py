@@ -19,6 +19,13 @@ from pagedkv.cli.simulate.progress import Progress
 
 COMMAND = "simulate"
 HELP = "Simulate a request trace: prefix-cache hit rate, memory, preemptions, latency."
+EXAMPLES = (
+    "pagedkv simulate                          # the memory study of the shipped trace",
+    "pagedkv simulate --trace my_trace.jsonl --capacity 50k,100k,200k",
+    "pagedkv simulate --mode serve --time-scale 4 --plot serve.png",
+    "pagedkv simulate --mode replay --capacity 20k,1M,unlimited --eviction all",
+    "pagedkv simulate --workload chat --instances 4 --routing-policy all",
+)
 
 SAMPLE_TRACE = "mooncake_conversation_sample.jsonl"
 

@@ -1,4 +1,5 @@
-"""`pagedkv simulate`'s eviction options (`--eviction`, `--host-capacity`), their checks and the
+"""`pagedkv simulate`'s eviction options (`--eviction`, `--lookahead`, `--host-capacity`), their
+checks and the
 eviction replay's call. Standard library only at import time."""
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--eviction",
         metavar="LIST",
         help="replay: compare eviction policies in one pass, comma-separated from lru, lfu, "
-        "s3fifo, arc, cost, belady (the offline optimum), or all; serve: one online policy "
-        "(default lru, the reference's)",
+        "s3fifo, arc, cost, continuation, hazard (these two learn from sessions), belady (the "
+        "offline optimum), or all; serve: one online policy (default lru, the reference's)",
+    )
+    group.add_argument(
+        "--lookahead",
+        action="store_true",
+        help="serve: evict last the cached blocks that requests in the waiting queue will hit",
     )
     group.add_argument(
         "--host-capacity",
@@ -28,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def wanted(args: argparse.Namespace) -> bool:
-    return bool(args.eviction or args.host_capacity)
+    return bool(args.eviction or args.host_capacity or args.lookahead)
 
 
 def check(args: argparse.Namespace, error: Callable[[str], Exception]) -> None:
@@ -37,6 +43,8 @@ def check(args: argparse.Namespace, error: Callable[[str], Exception]) -> None:
         return
     if args.model:
         raise error("--eviction and --host-capacity need the synthetic layout, not --model")
+    if args.lookahead and args.mode != "serve":
+        raise error("--lookahead is for --mode serve (in replay nothing waits)")
     if args.mode == "serve" and args.eviction and "," in args.eviction:
         raise error("--mode serve takes one --eviction policy (a comparison is for replay)")
     if args.no_prefix_caching:
@@ -63,6 +71,7 @@ def serve_options(args: argparse.Namespace, profile: Any) -> dict[str, Any]:
     num_blocks = host_num_blocks(args)
     return {
         "eviction": (args.eviction or "lru").strip().lower(),
+        "lookahead": bool(args.lookahead),
         "host_num_blocks": num_blocks,
         "host_load_s_per_token": profile.host_load_s_per_token if num_blocks else 0.0,
     }

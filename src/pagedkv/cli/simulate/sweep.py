@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedkv.cli._checks import int_at_least
+from pagedkv.errors import install_hint
 
 SCHEDULERS = ("pagedkv", "vllm")
 EXECUTORS = ("local", "ray")
@@ -31,20 +32,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=EXECUTORS,
         default="local",
         help="where independent runs go: local (worker processes, --jobs) or ray (one Ray "
-        "task per cell; extra [ray]); default local",
+        "task per cell; extra [ray]) (default local)",
     )
     group.add_argument(
         "--ray-address",
         metavar="ADDR",
-        help="with --executor ray: the cluster to join (ray://host:10001, auto); default: "
-        "start a local Ray with --jobs CPUs",
+        help="with --executor ray: the cluster to join (ray://host:10001, auto) (default "
+        "a local Ray with --jobs CPUs)",
     )
     group.add_argument(
         "--scheduler",
         choices=SCHEDULERS,
         default="pagedkv",
         help="serve mode's scheduler: pagedkv's reference scheduler, or vLLM 0.33's own "
-        "(extra [vllm]); default pagedkv",
+        "(extra [vllm]) (default pagedkv)",
     )
     group.add_argument(
         "--kv-manager",
@@ -139,13 +140,13 @@ def check(args: argparse.Namespace, error: Callable[[str], Exception]) -> None:
 
     if args.scheduler == "vllm":
         if find_spec("vllm") is None:
-            raise error("--scheduler vllm needs vLLM 0.33: pip install 'pagedkv[vllm]'")
+            raise error(f"--scheduler vllm needs vLLM 0.33: {install_hint('vllm')}")
         if args.mode != "serve":
             raise error("--scheduler vllm drives serve mode only (add --mode serve)")
     elif args.kv_manager != "pagedkv" or args.async_scheduling:
         raise error("--kv-manager and --async-scheduling go with --scheduler vllm")
     if args.executor == "ray" and find_spec("ray") is None:
-        raise error("--executor ray needs Ray: pip install 'pagedkv[ray]'")
+        raise error(f"--executor ray needs Ray: {install_hint('ray')}")
     if args.ray_address and args.executor != "ray":
         raise error("--ray-address goes with --executor ray")
     if not wanted(args):

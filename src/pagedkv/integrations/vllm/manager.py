@@ -25,7 +25,9 @@ from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator
 from pagedkv.errors import ConfigError
 from pagedkv.integrations.vllm.config import translate_config
 from pagedkv.integrations.vllm.events import to_vllm_events
-from pagedkv.integrations.vllm.requests import existing_view, sync_view
+from pagedkv.integrations.vllm.kv_hints import KvHintReader
+from pagedkv.integrations.vllm.options import DEFAULT_OPTIONS, PagedKVOptions
+from pagedkv.integrations.vllm.requests import existing_view, map_status, sync_view
 from pagedkv.integrations.vllm.views import BlockPoolView, CoordinatorView
 from pagedkv.kv_cache_blocks import ComputedBlocks, KVCacheBlocks
 from pagedkv.kv_cache_manager import KVCacheManager, annotate_block_stored
@@ -70,7 +72,12 @@ class PagedKVCacheManager:
         metrics_collector: object | None = None,
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
+        pagedkv_options: PagedKVOptions = DEFAULT_OPTIONS,
     ) -> None:
+        # `pagedkv_options`: from `additional_config["pagedkv"]` (`options.py`; the Scheduler
+        # subclass passes them); the defaults build vLLM's LRU order.
+        self.pagedkv_options = pagedkv_options
+        self.kv_hints = KvHintReader(pagedkv_options.retention)
         self.core = KVCacheManager(
             translate_config(kv_cache_config),
             max_model_len,
@@ -88,6 +95,7 @@ class PagedKVCacheManager:
             # `block_id`, which pagedkv's blocks have too.
             metrics_collector=metrics_collector,  # type: ignore[arg-type]
             watermark=watermark,
+            eviction=pagedkv_options.eviction_config(),
         )
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
@@ -262,7 +270,21 @@ class PagedKVCacheManager:
     def free(self, request: Request) -> None:
         view = existing_view(request)
         if view is not None:
+            # Finished, or still running (a preemption): what a session policy asks.
+            view.status = map_status(request.status)
             self.core.free(view)
+
+    def add_waiting(self, request: Request) -> None:
+        """`request` entered vLLM's waiting queue (the Scheduler subclass calls this at arrival
+        and preemption): its KV hints are read once, and with the look-ahead or a session
+        policy the core hears of it. Nothing is done with the default options and no hints."""
+        hints = request.kv_hints
+        if hints is None and self.pagedkv_options.is_default:
+            return
+        view = sync_view(request, self.hash_block_size)
+        if hints is not None and not request.num_preemptions:  # read once, at arrival
+            view.retention = self.kv_hints.retention_for(hints)
+        self.core.add_waiting(view)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         view = existing_view(request)

@@ -11,7 +11,9 @@ count becomes a junit `property`, and `--pagedkv-report PATH` writes them all as
 (`{nodeid: {"schedulers": n, "pagedkv_managers": n, "vllm_managers": n}}`).
 
 `--pagedkv-manager vllm` only counts (vLLM's manager stays): the baseline run of
-.ci/vllm-suites uses it to learn which tests build a manager at all.
+.ci/vllm-suites uses it to learn which tests build a manager at all. `--pagedkv-eviction
+POLICY` builds every pagedkv manager with that eviction policy (as
+`additional_config["pagedkv"]["eviction"]` would), to run vLLM's suites on a non-LRU order.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="pagedkv",
         choices=("pagedkv", "vllm"),
         help="the KV-cache manager vLLM builds: pagedkv's (default) or vLLM's own (count only)",
+    )
+    parser.addoption(
+        "--pagedkv-eviction",
+        default=None,
+        metavar="POLICY",
+        help="build pagedkv's managers with this eviction policy (default: lru, vLLM's order)",
     )
 
 
@@ -88,10 +96,18 @@ def pytest_configure(config: pytest.Config) -> None:
         return
 
     from pagedkv.integrations.vllm.manager import PagedKVCacheManager
+    from pagedkv.integrations.vllm.options import DEFAULT_OPTIONS, parse_options
+
+    policy = config.getoption("--pagedkv-eviction")
+    options = DEFAULT_OPTIONS
+    if policy is not None:
+        options = parse_options({"pagedkv": {"eviction": policy}})
 
     class CountedPagedKVCacheManager(PagedKVCacheManager):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             COUNTS["pagedkv_managers"] += 1
+            if options is not DEFAULT_OPTIONS:
+                kwargs.setdefault("pagedkv_options", options)
             super().__init__(*args, **kwargs)
 
     _SWAP[:] = [vllm_manager.KVCacheManager, CountedPagedKVCacheManager]

@@ -3,11 +3,14 @@
 `--scheduler-cls pagedkv.integrations.vllm.Scheduler` is the switch: vLLM's `Scheduler`
 unchanged, except that the `KVCacheManager` its constructor builds is `PagedKVCacheManager`.
 When vLLM's async scheduling is on, the same name yields the async variant, as vLLM's
-default does.
+default does. pagedkv's options come from `additional_config["pagedkv"]` (`options.py`), read
+before vLLM's constructor runs; the scheduler tells the manager of every request entering its
+waiting queue (arrival, preemption), for the look-ahead, the session policies and KV hints.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,12 +20,13 @@ from vllm.v1.core.sched import async_scheduler as vllm_async_scheduler
 from vllm.v1.core.sched import scheduler as vllm_scheduler
 
 from pagedkv.integrations.vllm.manager import PagedKVCacheManager
+from pagedkv.integrations.vllm.options import parse_options
 
 _SWAP_LOCK = threading.Lock()
 
 
 @contextmanager
-def manager_class_in_vllm_scheduler(manager_class: type) -> Iterator[None]:
+def manager_class_in_vllm_scheduler(manager_class: Any) -> Iterator[None]:
     """Make vLLM's scheduler module build `manager_class` while the block runs.
 
     vLLM's `Scheduler.__init__` names its manager class through a module global; swapping it
@@ -53,8 +57,24 @@ class Scheduler(vllm_scheduler.Scheduler):
         return super().__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        with manager_class_in_vllm_scheduler(PagedKVCacheManager):
+        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        # Before anything is built: a bad option stops start-up with one line.
+        options = parse_options(getattr(vllm_config, "additional_config", None))
+        manager: Any = PagedKVCacheManager
+        if not options.is_default:
+            manager = functools.partial(PagedKVCacheManager, pagedkv_options=options)
+        with manager_class_in_vllm_scheduler(manager):
             super().__init__(*args, **kwargs)
+
+    def add_request(self, request: Any) -> None:
+        is_new = request.request_id not in self.requests
+        super().add_request(request)
+        if is_new and self.requests.get(request.request_id) is request:
+            self.kv_cache_manager.add_waiting(request)
+
+    def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        super()._preempt_request(request, *args, **kwargs)
+        self.kv_cache_manager.add_waiting(request)
 
 
 class AsyncScheduler(Scheduler, vllm_async_scheduler.AsyncScheduler):

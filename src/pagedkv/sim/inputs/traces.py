@@ -64,7 +64,9 @@ class TraceRequest:
     """One request of a trace.
 
     The prompt is the concatenation of `prompt_runs` (or `explicit_prompt` when the trace gave
-    token ids); output token i is `output_token_start + i`.
+    token ids); output token i is `output_token_start + i`. `session_id`: the conversation it
+    belongs to (given by the trace, or derived for Mooncake records: `_SessionDeriver`);
+    `turn_index`: its place in that session, 0 first.
     """
 
     request_id: str
@@ -75,6 +77,8 @@ class TraceRequest:
     output_token_start: int
     priority: int = 0
     explicit_prompt: tuple[int, ...] | None = None
+    session_id: str | None = None
+    turn_index: int = 0
 
     def prompt_token_ids(self) -> list[int]:
         """Build the prompt's token ids."""
@@ -165,10 +169,49 @@ def _with_output_start(request: TraceRequest, output_token_start: int) -> TraceR
         output_token_start,
         request.priority,
         request.explicit_prompt,
+        request.session_id,
+        request.turn_index,
     )
 
 
 # ----------------------------------------------------------------------------- loading
+
+MIN_SESSION_PREFIX_BLOCKS = 2
+"""A next turn extends at least this many of its previous turn's 512-token blocks."""
+
+
+class _SessionDeriver:
+    """Sessions for Mooncake records, which carry none, read from the chained hash ids.
+
+    Rule: request B is the next turn of the most recent earlier request A whose full blocks
+    (all of A's ids but a partial last one) B's ids start with, provided that is at least
+    `MIN_SESSION_PREFIX_BLOCKS` blocks (one block alone is the conversation trace's system
+    prompt, shared by every request) and A has no next turn yet (a second request extending
+    A is a retry or a branch: a session of its own). A's output enters B's prompt under new
+    ids, so B extends A's full blocks, not its partial last one. Requests are taken in file
+    order (Mooncake files are sorted by timestamp). Each request costs one dict probe per
+    block, longest prefix first, stopping at the first hit.
+    """
+
+    def __init__(self) -> None:
+        # The id of a request's last full block -> [session id, turn index, continued?].
+        self._last_full_block: dict[int, list] = {}
+
+    def derive(self, hash_ids: Sequence[int], num_tokens: int, line_number: int) -> tuple[str, int]:
+        """(session id, turn index) of a request, recording it as a possible previous turn."""
+        table = self._last_full_block
+        session_id, turn = f"S{line_number}", 0
+        for num_blocks in range(len(hash_ids), MIN_SESSION_PREFIX_BLOCKS - 1, -1):
+            entry = table.get(hash_ids[num_blocks - 1])
+            if entry is not None:
+                if not entry[2]:
+                    entry[2] = True
+                    session_id, turn = entry[0], entry[1] + 1
+                break
+        num_full = num_tokens // TRACE_BLOCK_TOKENS
+        if num_full >= MIN_SESSION_PREFIX_BLOCKS:
+            table[hash_ids[num_full - 1]] = [session_id, turn, False]
+        return session_id, turn
 
 
 class _LineParser:
@@ -181,6 +224,7 @@ class _LineParser:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.sessions = _SessionDeriver()
         self.id_to_dense: dict[int, int] = {}
         self.num_dense = 0  # dense ids handed out: trace ids and fresh blocks
 
@@ -220,10 +264,13 @@ class _LineParser:
             raise TraceFormatError(path, line_number, None, "expected a JSON object")
         output_length = self._int(record, line_number, "output_length", 1)
         priority = self._int(record, line_number, "priority", None, default=0)
+        session = self._session(record, line_number)
         if "hash_ids" in record:
             timestamp_ms = self._timestamp(record, line_number, required=True)
             runs, num_tokens = self._hash_id_runs(record, line_number)
             explicit = None
+            if session is None:
+                session = self.sessions.derive(record["hash_ids"], num_tokens, line_number)
         elif "prompt_token_ids" in record:
             timestamp_ms = self._timestamp(record, line_number, required=False)
             explicit = self._token_ids(record, line_number)
@@ -251,7 +298,24 @@ class _LineParser:
             output_token_start=OUTPUT_TOKEN_BASE,
             priority=priority,
             explicit_prompt=explicit,
+            session_id=None if session is None else session[0],
+            turn_index=0 if session is None else session[1],
         )
+
+    def _session(self, record: dict, line_number: int) -> tuple[str, int] | None:
+        """A record's own `session_id` (a str or an int) and `turn_index` (default 0)."""
+        if "session_id" not in record:
+            return None
+        session_id = record["session_id"]
+        if isinstance(session_id, bool) or not isinstance(session_id, (str, int)):
+            raise TraceFormatError(
+                self.path,
+                line_number,
+                "session_id",
+                f"expected a string or an int, got {session_id!r}",
+            )
+        turn = self._int(record, line_number, "turn_index", 0, default=0)
+        return str(session_id), turn
 
     def _int(
         self, record: dict, line_number: int, field: str, minimum: int | None, default=None

@@ -43,9 +43,10 @@ def render_cluster_text(
 ) -> str:
     """The cluster report as plain text: one row per router, then the notes."""
     trace, config = report["trace"], report["config"]
+    instances = f"{config['instances']} instance{'s' if config['instances'] != 1 else ''}"
     lines = [
         f"pagedkv simulate (cluster): {trace['name']}: {trace['num_requests']:,} requests, "
-        f"{config['instances']} instances x {config['num_blocks']:,} blocks, events over "
+        f"{instances} x {config['num_blocks']:,} blocks, events over "
         f"{config['event_transport']} ZeroMQ",
         "",
         f"{'router':<14}{'completed':>10}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p99':>11}"

@@ -87,9 +87,13 @@ def _needs(results: list[dict[str, Any]]) -> int | None:
     """The smallest size that rejects no more requests than the largest and has a p50 TTFT
     within NEEDS_TTFT_FACTOR of the largest size's (None if none does)."""
     largest = results[-1]
+    largest_ttft = largest["ttft_s"]["p50"]
+    if largest_ttft is None:
+        return None  # no request finished at the largest size: nothing to compare with
     for result in results:
+        ttft = result["ttft_s"]["p50"]
         if result["num_requests_rejected"] <= largest["num_requests_rejected"] and (
-            result["ttft_s"]["p50"] <= NEEDS_TTFT_FACTOR * largest["ttft_s"]["p50"]
+            ttft is not None and ttft <= NEEDS_TTFT_FACTOR * largest_ttft
         ):
             return int(result["num_blocks"])
     return None
@@ -98,30 +102,35 @@ def _needs(results: list[dict[str, Any]]) -> int | None:
 def memory_rows(
     report: dict[str, Any], notes: list[tuple[str, str]]
 ) -> tuple[list[str], list[list[str]]]:
-    """Table header and rows (one per KV size), and the notes below the table."""
+    """Table header and rows (one per KV size), and the notes below the table.
+
+    Units sit in the two-line header, so the numbers stay short: the table fits 80 columns.
+    """
     config = report["config"]
+    results = report["results"]
+    unit, unit_bytes = _memory_unit(min(r["kv_memory_bytes"] for r in results))
     header = [
-        "KV memory",
-        "KV tokens",
-        "hit rate",
-        "TTFT p50",
-        "TTFT p90",
-        "TPOT p50",
-        "e2e p50",
-        "preempted",
-        "rejected",
+        f"KV memory\n{unit}",
+        "KV\ntokens",
+        "hit\nrate %",
+        "TTFT\np50 s",
+        "TTFT\np90 s",
+        "TPOT\np50 ms",
+        "e2e\np50 s",
+        "pre-\nempted",
+        "re-\njected",
     ]
     rows = []
-    for result in report["results"]:
+    for result in results:
         rows.append(
             [
-                _bytes(result["kv_memory_bytes"]),
+                f"{result['kv_memory_bytes'] / unit_bytes:,.1f}",
                 f"{result['capacity_tokens']:,}",
-                f"{100 * result['hit_rate']:.2f} %",
-                _seconds(result["ttft_s"]["p50"]),
-                _seconds(result["ttft_s"]["p90"]),
-                f"{1000 * result['tpot_s']['p50']:.1f} ms",
-                _seconds(result["e2e_latency_s"]["p50"]),
+                f"{100 * result['hit_rate']:.2f}",
+                _number(result["ttft_s"]["p50"]),
+                _number(result["ttft_s"]["p90"]),
+                _number(result["tpot_s"]["p50"], 1000, 1),
+                _number(result["e2e_latency_s"]["p50"]),
                 f"{result['num_preemptions']:,}",
                 f"{result['num_requests_rejected']:,}",
             ]
@@ -174,9 +183,16 @@ def _bytes(num_bytes: float) -> str:
     return f"{num_bytes:,.0f} B"
 
 
-def _seconds(value: float) -> str:
-    if value >= 100:
-        return f"{value:,.0f} s"
-    if value >= 1:
-        return f"{value:.2f} s"
-    return f"{1000 * value:.0f} ms"
+def _memory_unit(num_bytes: float) -> tuple[str, int]:
+    """The unit of the memory column: the largest one the smallest size fills."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= size:
+            return unit, size
+    return "bytes", 1
+
+
+def _number(value: float | None, scale: float = 1.0, decimals: int = 2) -> str:
+    """A latency in the column's unit; n/a when nothing was measured (no request finished)."""
+    if value is None:
+        return "n/a"
+    return f"{value * scale:,.{decimals}f}"

@@ -82,9 +82,20 @@ def render_text(
             (label, value.translate(str.maketrans(SPARK_RAMP, SPARK_RAMP_ASCII)))
             for label, value in notes
         ]
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+    # A header cell may hold two lines (the name, then its unit).
+    header_lines = [cell.split("\n") for cell in header]
+    depth = max(len(cell) for cell in header_lines)
+    header_rows = [
+        [cell[line] if line < len(cell) else "" for cell in header_lines] for line in range(depth)
+    ]
+    widths = [
+        max(len(str(cell)) for cell in column) for column in zip(*header_rows, *rows, strict=True)
+    ]
     lines = [title, ""]
-    lines.append("  ".join(cell.rjust(width) for cell, width in zip(header, widths, strict=True)))
+    for header_row in header_rows:
+        lines.append(
+            "  ".join(cell.rjust(width) for cell, width in zip(header_row, widths, strict=True))
+        )
     lines.append("  ".join("-" * width for width in widths))
     for row in rows:
         lines.append("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
@@ -97,11 +108,13 @@ def render_text(
 
 def render_rich(report: dict[str, Any], speed: Speed | None, console: Any) -> None:
     """Print the report with rich (a `rich.console.Console`)."""
+    from rich import box
     from rich.table import Table
 
     title, header, rows, notes = _rows(report, speed)
     console.print(title, style="bold", highlight=False)
-    table = Table()
+    # No vertical rules: the main job's nine columns fit an 80-column terminal.
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for index, name in enumerate(header):
         table.add_column(
             name, justify="left" if index == 0 and report["mode"] == "serve" else "right"
@@ -126,8 +139,9 @@ def print_report(report: dict[str, Any], speed: Speed | None) -> None:
         encoding = (getattr(sys.stdout, "encoding", None) or "").lower()
         sys.stdout.write(render_text(report, speed, ascii_only="utf" not in encoding))
         return
-    # Piped or redirected: no terminal width to fit, so never wrap (rich would assume 80).
-    width = None if sys.stdout.isatty() else _UNWRAPPED_WIDTH
+    # Piped or redirected: no terminal width to fit, so never wrap (rich would assume 80),
+    # unless COLUMNS says how wide the reader's screen is.
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else _UNWRAPPED_WIDTH
     render_rich(report, speed, pipe_safe_console(width=width))
 
 

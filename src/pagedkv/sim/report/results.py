@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.atomic_file import atomic_write
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.errors import InvalidArgumentError, install_hint
 
 COLUMNS = (
     "mode",
@@ -62,7 +62,7 @@ def output_format(path: str) -> str:
 
         if find_spec("pyarrow") is None:
             raise InvalidArgumentError(
-                "--output .parquet needs pyarrow: pip install 'pagedkv[parquet]' (or use .csv)"
+                f"--output .parquet needs pyarrow: {install_hint('parquet')} (or use .csv)"
             )
     return FORMATS[suffix]
 

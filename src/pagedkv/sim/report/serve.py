@@ -60,10 +60,11 @@ def serve_report(
 
 def _eviction_config(config: ServeConfig) -> dict[str, Any]:
     """The eviction settings, only when not the default (older reports stay byte-identical)."""
-    if config.eviction == "lru" and not config.host_num_blocks:
+    if config.eviction == "lru" and not config.host_num_blocks and not config.lookahead:
         return {}
     return {
         "eviction": config.eviction,
+        "lookahead": config.lookahead,
         "host_num_blocks": config.host_num_blocks,
         "host_load_s_per_token": config.host_load_s_per_token,
     }
@@ -169,6 +170,7 @@ def serve_rows(
             (
                 "eviction",
                 f"{config['eviction']}"
+                + (" with the waiting-queue look-ahead" if config.get("lookahead") else "")
                 + (
                     f"; host tier {config['host_num_blocks']:,} blocks: {host['num_loads']:,} "
                     f"loads, {host['loaded_tokens']:,} tokens "
