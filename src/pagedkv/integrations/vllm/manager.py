@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
+from vllm.v1.request import RequestStatus as VllmStatus
 
 from pagedkv.block import KVCacheBlock
 from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator
@@ -27,10 +28,17 @@ from pagedkv.integrations.vllm.config import translate_config
 from pagedkv.integrations.vllm.events import to_vllm_events
 from pagedkv.integrations.vllm.kv_hints import KvHintReader
 from pagedkv.integrations.vllm.options import DEFAULT_OPTIONS, PagedKVOptions
-from pagedkv.integrations.vllm.requests import existing_view, map_status, sync_view
+from pagedkv.integrations.vllm.requests import (
+    VIEW_ATTRIBUTE,
+    existing_view,
+    map_status,
+    sync_view,
+)
 from pagedkv.integrations.vllm.views import BlockPoolView, CoordinatorView
 from pagedkv.kv_cache_blocks import ComputedBlocks, KVCacheBlocks
 from pagedkv.kv_cache_manager import KVCacheManager, annotate_block_stored
+from pagedkv.request import Request as PagedKVRequest
+from pagedkv.request import RequestStatus
 
 
 def _event_metadata(kv_cache_config: KVCacheConfig) -> tuple[tuple[str, int | None], ...]:
@@ -119,6 +127,10 @@ class PagedKVCacheManager:
         self.watermark_blocks = self.core.watermark_blocks
         self.kv_cache_event_metadata = _event_metadata(kv_cache_config)
         self.empty_kv_cache_blocks = self.core.empty_kv_cache_blocks
+        # The core's running allocator and live-request map, for `allocate_slots`' hot path
+        # (both live as long as the core; the map is updated in place).
+        self._running_allocator = self.core._running_allocator
+        self._live_requests = self.core._requests
         self._is_mamba = tuple(isinstance(group.kv_cache_spec, MambaSpec) for group in groups)
 
     # ------------------------------------------------------------------ reading
@@ -246,6 +258,43 @@ class PagedKVCacheManager:
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
+        # Hot path: a running request's decode step (vLLM's scheduler passes only the new and
+        # lookahead tokens) goes straight to the core's running allocator, one forwarding
+        # layer instead of two. These are the conditions of the core's own fast path
+        # (`KVCacheManager.allocate_slots`), which gives the same result; the view is synced
+        # as `sync_view` does (the status is RUNNING, no new multimodal item).
+        allocator = self._running_allocator
+        view: PagedKVRequest | None = request.__dict__.get(VIEW_ATTRIBUTE)
+        if (
+            view is not None
+            and allocator is not None
+            and request.status is VllmStatus.RUNNING
+            and new_computed_blocks is None
+            and not (
+                num_new_computed_tokens
+                or num_external_computed_tokens
+                or num_lookahead_tokens
+                or reserved_blocks
+                or full_sequence_must_fit
+                or num_encoder_tokens
+            )
+            and len(view.mm_features) == len(request.mm_features)
+            and self._live_requests.get(view.request_id) is view
+            and type(num_new_tokens) is int
+            and num_new_tokens > 0
+        ):
+            num_computed_tokens = request.num_computed_tokens
+            if num_computed_tokens + num_new_tokens <= self.max_model_len:
+                view.num_tokens = len(view.all_token_ids)
+                view.num_prompt_tokens = request.num_prompt_tokens
+                view.num_computed_tokens = num_computed_tokens
+                view.num_in_flight_tokens = request.num_in_flight_tokens
+                view.num_preemptions = request.num_preemptions
+                view.shared_prefix_boundary = request.shared_prefix_boundary
+                view.status = RequestStatus.RUNNING
+                return allocator.allocate(
+                    view, num_new_tokens, self.enable_caching and not delay_cache_blocks
+                )
         return self.core.allocate_slots(
             sync_view(request, self.hash_block_size),
             num_new_tokens,
