@@ -92,12 +92,9 @@ def translate_spec(spec: VllmKVCacheSpec) -> KVCacheSpec:
             tuple(_dtype_bytes(dtype) for _, dtype in pairs),
             mamba_cache_mode=spec.mamba_cache_mode,
             num_speculative_blocks=spec.num_speculative_blocks,
+            num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
+            prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
         )
-        if spec.num_prefill_checkpoint_blocks:
-            raise ConfigError(
-                "pagedkv does not implement Mamba prefill checkpoint blocks "
-                f"(num_prefill_checkpoint_blocks={spec.num_prefill_checkpoint_blocks})"
-            )
         if spec.page_size_padded is None:
             # vLLM's own page_size_bytes raises TypeError on a flat shape; pagedkv's is the
             # same sum with the flat entry as a one-dimensional shape.

@@ -137,6 +137,7 @@ class CoordinatorView:
             num_encoder_tokens,
             apply_admission_cap,
             num_tokens_main_model,
+            prefill_end,
         )
 
 
