@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+from vllm.v1.core import kv_cache_manager as vllm_kv_cache_manager
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
@@ -24,7 +26,7 @@ from vllm.v1.request import RequestStatus as VllmStatus
 from pagedkv.block import KVCacheBlock
 from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator
 from pagedkv.errors import ConfigError
-from pagedkv.integrations.vllm.config import translate_config
+from pagedkv.integrations.vllm.config import as_vllm_int, check_as_vllm, translate_config
 from pagedkv.integrations.vllm.events import to_vllm_events
 from pagedkv.integrations.vllm.kv_hints import KvHintReader
 from pagedkv.integrations.vllm.options import DEFAULT_OPTIONS, PagedKVOptions
@@ -36,7 +38,7 @@ from pagedkv.integrations.vllm.requests import (
 )
 from pagedkv.integrations.vllm.views import BlockPoolView, CoordinatorView
 from pagedkv.kv_cache_blocks import ComputedBlocks, KVCacheBlocks
-from pagedkv.kv_cache_manager import KVCacheManager, annotate_block_stored
+from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request as PagedKVRequest
 from pagedkv.request import RequestStatus
 
@@ -82,6 +84,20 @@ class PagedKVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
         pagedkv_options: PagedKVOptions = DEFAULT_OPTIONS,
     ) -> None:
+        # vLLM's meaning for counts given as bools (0 or 1), then vLLM's own refusals.
+        num_hash_lookahead_tokens = as_vllm_int(num_hash_lookahead_tokens)
+        num_prefill_lookahead = as_vllm_int(num_prefill_lookahead)
+        dcp_world_size = as_vllm_int(dcp_world_size)
+        pcp_world_size = as_vllm_int(pcp_world_size)
+        check_as_vllm(
+            kv_cache_config,
+            scheduler_block_size,
+            hash_block_size,
+            enable_caching,
+            use_eagle,
+            num_prefill_lookahead,
+            watermark,
+        )
         # `pagedkv_options`: from `additional_config["pagedkv"]` (`options.py`; the Scheduler
         # subclass passes them); the defaults build vLLM's LRU order.
         self.pagedkv_options = pagedkv_options
@@ -105,6 +121,9 @@ class PagedKVCacheManager:
             watermark=watermark,
             eviction=pagedkv_options.eviction_config(),
         )
+        # vLLM adopts any free block of the pool a caller names as a hit (uncached ones too);
+        # pagedkv's core refuses those unless told (lead decision, issue 23).
+        self.core.accept_uncached_free_hits(True)
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -120,7 +139,9 @@ class PagedKVCacheManager:
         groups = kv_cache_config.kv_cache_groups
         self.num_kv_cache_groups = len(groups)
         self.coordinator = CoordinatorView.for_coordinator(
-            self.core.coordinator, [group.kv_cache_spec for group in groups]
+            self.core.coordinator,
+            [group.kv_cache_spec for group in groups],
+            self.core.scheduler_block_size,
         )
         self.block_pool = BlockPoolView(self.core.block_pool)
         self.retained_hit_group_ids: tuple[int, ...] = ()
@@ -365,13 +386,27 @@ class PagedKVCacheManager:
     # ------------------------------------------------------------------ worker hand-offs
 
     def take_events(self) -> list:
-        """Drain the events as vLLM's types, `BlockStored` annotated with the group's kind."""
+        """Drain the events as vLLM's types, `BlockStored` annotated with its group's kind.
+
+        Events already of vLLM's types (vLLM code may append them to `kv_event_queue`) pass
+        through; the annotation is vLLM's, with its warning for a group index out of range.
+        """
         events = self.core.block_pool.take_events()
         if not events:
             return []
-        # The core's annotation, with vLLM's names for the spec kinds.
-        annotate_block_stored(events, self.kv_cache_event_metadata)
-        return to_vllm_events(events)
+        converted = to_vllm_events(events)
+        metadata = self.kv_cache_event_metadata
+        for event in converted:
+            if type(event) is not VllmBlockStored or event.group_idx is None:
+                continue
+            if not 0 <= event.group_idx < len(metadata):
+                # Looked up at call time: vLLM's tests patch the module's logger.
+                vllm_kv_cache_manager.logger.warning(
+                    "Group index `%s` not in KV cache metadata", event.group_idx
+                )
+                continue
+            event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = metadata[event.group_idx]
+        return converted
 
     def take_new_block_ids(self) -> list[int]:
         """New attention blocks since the last call, for the worker to zero."""
