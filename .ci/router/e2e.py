@@ -83,9 +83,7 @@ class Engine:
             self.process = None
 
     def spec(self) -> str:
-        return (
-            f"{self.name}=tcp://127.0.0.1:{self.pub_port},tcp://127.0.0.1:{self.replay_port}"
-        )
+        return f"{self.name}=tcp://127.0.0.1:{self.pub_port},tcp://127.0.0.1:{self.replay_port}"
 
 
 class Service:
@@ -117,8 +115,9 @@ class Service:
     def call(self, path: str, body: dict | None = None) -> tuple[int, dict]:
         data = None if body is None else json.dumps(body).encode()
         try:
-            with urllib.request.urlopen(urllib.request.Request(self.url + path, data), timeout=30) as r:
-                return r.status, json.loads(r.read())
+            request = urllib.request.Request(self.url + path, data)
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read())
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read() or b"{}")
 
@@ -297,11 +296,20 @@ def main() -> int:
                 engine.ask({"op": "step", "prompts": [run.prompt() for _ in range(4)]})
         service.process.send_signal(signal.SIGCONT)
         numbers["stall_catch_up_s"] = wait_until(
-            service, lambda h: h["ready"] and all(
-                h["instances"][e.name]["last_seq"] == e.seq and h["instances"][e.name]["safe"]
-                and (h["instances"][e.name]["exact"] or e.buffer_steps < 1000)
-                for e in engines
-            ), "caught up after the stall", run, engines, "stall",
+            service,
+            lambda h: (
+                h["ready"]
+                and all(
+                    h["instances"][e.name]["last_seq"] == e.seq
+                    and h["instances"][e.name]["safe"]
+                    and (h["instances"][e.name]["exact"] or e.buffer_steps < 1000)
+                    for e in engines
+                )
+            ),
+            "caught up after the stall",
+            run,
+            engines,
+            "stall",
         )  # fmt: skip (PUB/SUB shows a loss at a stream's tail only with the next batch)
         probe(run, service, engines, "after-stall")
 
