@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "hashing": 2,
     "retention": 2,  # per-request retention hints (plain data)
     "canonical_cbor": 1,  # sha256_cbor's payload encoder (errors only)
+    "credentials": 0,  # redact(): passwords out of every message (stdlib only)
     "owner_thread": 1,  # the single-owner thread rule (errors only)
     "atomic_file": 1,  # output files that appear whole (stdlib only)
     "bounded_read": 2,  # input read within a byte budget, any file type
@@ -81,6 +82,7 @@ CORE = {
     "free_queue",
     "hashing",
     "canonical_cbor",
+    "credentials",
     "owner_thread",
     "atomic_file",
     "bounded_read",

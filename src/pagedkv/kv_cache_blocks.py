@@ -31,6 +31,13 @@ class KVCacheBlocks:
         self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
     ) -> tuple[list[int], ...] | None:
         """Block ids per group (optionally selected and reordered by `group_ids`)."""
+        if group_ids is None and len(self.blocks) == 1:
+            # Hot path: vLLM's scheduler converts every scheduled request's new blocks, most
+            # of them empty in a decode step; one group needs no generator pass.
+            (blocks,) = self.blocks
+            if allow_none and not blocks:
+                return None
+            return ([block.block_id for block in blocks],)
         if group_ids is None:
             selected = self.blocks
         else:

@@ -221,6 +221,11 @@ class MambaSpec(KVCacheSpec):
     mamba_cache_mode: str = field(default="none", kw_only=True)
     # Extra state blocks a request holds for speculative decoding (MTP/EAGLE drafts).
     num_speculative_blocks: int = field(default=0, kw_only=True)
+    # "align": extra state blocks a prefill chunk may reserve to keep the state at the prompt's
+    # reusable boundary (vLLM 0.33's prefill checkpoint; Mamba-2 layers ask for one), and the
+    # token grid the worker can export that state on (None: no checkpoint is ever taken).
+    num_prefill_checkpoint_blocks: int = field(default=0, kw_only=True)
+    prefill_checkpoint_alignment: int | None = field(default=None, kw_only=True)
     kind: ClassVar[str] = "mamba"
 
     def __post_init__(self) -> None:
@@ -248,6 +253,18 @@ class MambaSpec(KVCacheSpec):
                 "MambaSpec: num_speculative_blocks must be an int >= 0, got "
                 f"{self.num_speculative_blocks!r}"
             )
+        checkpoint_blocks = self.num_prefill_checkpoint_blocks
+        if (
+            not isinstance(checkpoint_blocks, int)
+            or isinstance(checkpoint_blocks, bool)
+            or checkpoint_blocks < 0
+        ):
+            raise ConfigError(
+                "MambaSpec: num_prefill_checkpoint_blocks must be an int >= 0, got "
+                f"{checkpoint_blocks!r}"
+            )
+        if self.prefill_checkpoint_alignment is not None:
+            _check_positive(self, prefill_checkpoint_alignment=self.prefill_checkpoint_alignment)
         if (
             not isinstance(self.shapes, tuple)
             or not self.shapes
@@ -291,11 +308,12 @@ class MambaSpec(KVCacheSpec):
     def max_state_blocks_per_request(self) -> int:
         """State blocks a request holds at most, whatever its length (the reference's count).
 
-        "none": its one state block; "align": the last state and the one being written.
-        Either way plus the speculative blocks.
+        "none": its one state block; "align": the last state and the one being written, plus
+        the prefill checkpoint blocks. Either way plus the speculative blocks.
         """
-        num_states = 2 if self.mamba_cache_mode == "align" else 1
-        return num_states + self.num_speculative_blocks
+        if self.mamba_cache_mode == "align":
+            return 2 + self.num_speculative_blocks + self.num_prefill_checkpoint_blocks
+        return 1 + self.num_speculative_blocks
 
     def max_memory_usage_bytes(
         self,

@@ -135,6 +135,13 @@ def test_sizing_counts_the_reference_state_blocks() -> None:
     assert mamba(4, "none", 3).max_memory_usage_bytes(1 << 20) == 4 * page
     assert mamba(4, "align").max_memory_usage_bytes(1 << 20) == 2 * page
     assert mamba(4, "align", 3).max_memory_usage_bytes(1 << 20) == 5 * page
+    checkpointed = MambaSpec(
+        4, ((4, 8),), 2, mamba_cache_mode="align", num_prefill_checkpoint_blocks=1
+    )
+    assert checkpointed.max_memory_usage_bytes(1 << 20) == 3 * page
+    for bad in ({"num_prefill_checkpoint_blocks": -1}, {"prefill_checkpoint_alignment": 0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            MambaSpec(4, ((4, 8),), 2, mamba_cache_mode="align", **bad)
 
 
 @pytest.mark.parametrize(

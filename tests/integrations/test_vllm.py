@@ -250,6 +250,42 @@ def test_flat_mamba_shapes_build_and_match_vllm():
     assert pair.lookup(request("b", range(10), 4)) == (([], []), 0)
 
 
+@pytest.mark.parametrize("retention", [None, 0])
+def test_mamba_prefill_checkpoint_matches_vllm(retention):
+    # One 104-token chunk ends mid-block: the checkpoint keeps the state at 96 (the prompt's
+    # reusable boundary) in column 2, so a resend resumes there instead of at 0.
+    checkpointed = MambaSpec(
+        block_size=32,
+        shapes=((4, 8),),
+        dtypes=(DTYPE,),
+        mamba_cache_mode="align",
+        num_prefill_checkpoint_blocks=1,
+        prefill_checkpoint_alignment=16,
+    )
+    pair = Pair(*both(30, full(32), checkpointed, retention=retention, log_stats=False))
+    a = request("a", range(104), 32)
+    assert pair.allocate(a, 104) == ([1, 2, 3, 4], [0, 0, 5, 6])
+    assert pair.managers[1].coordinator.single_type_managers[1]._checkpoints == {"a": (96, 2)}
+    a.num_computed_tokens = 104
+    pair.call("new_step_starts")
+    decode(pair, a, 500)
+    assert pair.tables(a) == ([1, 2, 3, 4], [0, 0, 0, 6])
+    pair.call("free", a)
+    pair.free_order()
+    assert pair.lookup(request("b", range(104), 32)) == (([1, 2, 3], [0, 0, 5]), 96)
+    # A two-chunk prefill: only the chunk reaching the prompt's end checkpoints under
+    # retention 0; dense retention keeps the first chunk's too (its state at 32).
+    c = request("c", [9] * 200, 32)
+    pair.allocate(c, 64)
+    first = pair.managers[1].coordinator.single_type_managers[1]._checkpoints.get("c")
+    assert first == (None if retention == 0 else (32, 0))
+    c.num_computed_tokens = 64
+    pair.call("new_step_starts")
+    pair.allocate(c, 136)
+    pair.free_order()
+    pair.events()
+
+
 def test_hash_lookahead_events_match_vllm():
     pair = Pair(*both(20, full(4), num_hash_lookahead_tokens=2, log_stats=False))
     a = request("a", range(18), 4, lookahead=2)

@@ -245,3 +245,49 @@ def test_decode_body_returns_only_the_fields_given():
     with pytest.raises(BodyError) as caught:
         decode_body(b'{"loads": {"b": 1, "a": NaN, "c": Infinity}}', RouteBody)
     assert caught.value.field == "loads.a"  # the first one in the body
+
+
+@pytest.mark.torch
+def test_tokenizer_mistakes_are_one_line_about_the_path(tmp_path, capsys):
+    """--tokenizer: a missing path, a file, an empty folder, a broken tokenizer each end in one
+    line naming the path (transformers' "Repo id must be in the form..." never shows); a real
+    local tokenizer lets requests send text."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from pagedkv.cli import main
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    cases = {
+        tmp_path / "missing": "no such directory",
+        tmp_path / "file.txt": "not a directory",
+        tmp_path / "empty": "no tokenizer in it",
+        broken: "transformers cannot load the tokenizer in it",
+    }
+    for path, words in cases.items():
+        argv = ["router", "serve", "--instance", "a=inproc://tok-a", "--tokenizer", str(path)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"pagedkv router serve: error: --tokenizer {path}: {words}"), err
+        assert err.count("\n") == 1 and "Repo id" not in err and "Traceback" not in err
+
+    words = ["<unk>"] + [f"w{i}" for i in range(9)]
+    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    word_level = tokenizers.Tokenizer(model)
+    word_level.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    good = tmp_path / "good"
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=word_level, unk_token="<unk>"
+    ).save_pretrained(good)
+    config = ServiceConfig(
+        instances=(InstanceConfig("a", "inproc://tok-good"),), block_size=2, tokenizer=str(good)
+    )
+    service = RouterService(config)
+    try:
+        answer = service.score({"text": "w1 w2 w3 w4 w5"})
+        assert answer["num_blocks"] == 2  # five tokens: two full blocks of 2
+    finally:
+        service.feeds.close()

@@ -247,6 +247,10 @@ def test_nemotron_h_pattern():
     # conv dim = 8 × 16 + 2 × 2 × 32 = 256.
     assert d.layer_to_spec["layers.0.mamba"] == MambaSpec(16, ((256, 3), (8, 16, 32)), 2)
     assert d.layer_to_spec["layers.3.self_attn"] == FullAttentionSpec(16, 2, 32, 2)
+    # Mode "align": vLLM 0.33's Mamba-2 layers take one prefill checkpoint block a request.
+    aligned = describe_model(config, mamba_cache_mode="align").layer_to_spec["layers.0.mamba"]
+    assert (aligned.num_prefill_checkpoint_blocks, aligned.prefill_checkpoint_alignment) == (1, 1)
+    assert aligned.max_state_blocks_per_request() == 3
 
 
 def test_whisper_and_bart():

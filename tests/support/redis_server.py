@@ -25,7 +25,7 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, password: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             require_redis()
@@ -33,6 +33,7 @@ class RedisServer:
         self.binary = binary
         self.workdir = workdir
         self.port = free_port()
+        self.password = password
         self.process: subprocess.Popen | None = None
 
     @property
@@ -48,6 +49,7 @@ class RedisServer:
                 "--save", "",
                 "--appendonly", "no",
                 "--dir", str(self.workdir),
+                *(["--requirepass", self.password] if self.password else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -57,7 +59,7 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
                     conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
+                    if conn.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                         return
             except OSError:
                 time.sleep(0.02)

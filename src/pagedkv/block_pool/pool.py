@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool.checks import check_pool_args, check_pool_invariants
 from pagedkv.block_pool.events import block_stored_event
-from pagedkv.errors import InvalidArgumentError, InvariantViolation
+from pagedkv.errors import ForeignBlockError, InvalidArgumentError, InvariantViolation
 from pagedkv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
 from pagedkv.eviction import (
     DEFAULT_EVICTION,
@@ -439,6 +439,88 @@ class BlockPool:
             if policy is not None and block.block_hash is not None:
                 policy.on_uncached(block)
             self._maybe_evict_cached_block(block)
+
+    def drop_cache_entry(self, block: KVCacheBlock) -> bool:
+        """Remove `block`'s prefix-cache entry without an event; return whether it had one.
+
+        A raw edit of the hash map (what the reference's `BlockHashToBlockMap.pop` is): the
+        block keeps its ref count and free-queue place and can be entered again with
+        `add_cache_entry`. Eviction proper is `evict_blocks`, which reports it.
+        """
+        owner = self.owner_thread
+        if get_ident() != owner.thread_id:
+            owner.check("BlockPool.drop_cache_entry")
+        self._check_own_block(block, "drop_cache_entry")
+        block_hash = block.block_hash
+        if block_hash is None:
+            return False
+        if self.eviction_policy is not None:
+            self.eviction_policy.on_uncached(block)
+        group_id = block.hash_group_id
+        _drop_entry_with_duplicates(
+            self.hash_to_block[group_id], self._duplicates[group_id], block, block_hash
+        )
+        block.block_hash = None
+        block.hash_group_id = 0
+        self.eviction_epoch += 1
+        return True
+
+    def add_cache_entry(
+        self, block: KVCacheBlock, block_hash: BlockHash, kv_cache_group_id: int
+    ) -> None:
+        """Enter an unhashed block under `block_hash` in a group, without an event.
+
+        The inverse of `drop_cache_entry` (a block already under this hash and group is left as
+        it is). With an eviction policy, which tracks what it caches, only `cache_full_blocks`
+        enters blocks.
+        """
+        owner = self.owner_thread
+        if get_ident() != owner.thread_id:
+            owner.check("BlockPool.add_cache_entry")
+        self._check_own_block(block, "add_cache_entry")
+        if block is self.null_block:
+            raise InvalidArgumentError("add_cache_entry: the null block is never cached")
+        if not isinstance(block_hash, bytes):
+            raise InvalidArgumentError(f"add_cache_entry: block hash {block_hash!r} is not bytes")
+        if not 0 <= kv_cache_group_id < self.num_kv_cache_groups:
+            raise InvalidArgumentError(
+                f"add_cache_entry: group {kv_cache_group_id!r} is not in "
+                f"[0, {self.num_kv_cache_groups})"
+            )
+        if block.block_hash is not None:
+            if block.block_hash == block_hash and block.hash_group_id == kv_cache_group_id:
+                return
+            raise InvalidArgumentError(
+                f"add_cache_entry: block {block.block_id} is already cached under another hash"
+            )
+        if self.eviction_policy is not None:
+            raise InvalidArgumentError(
+                "add_cache_entry: a pool with an eviction policy enters blocks only through "
+                "cache_full_blocks"
+            )
+        block.block_hash = block_hash
+        block.hash_group_id = kv_cache_group_id
+        if self.hash_to_block[kv_cache_group_id].setdefault(block_hash, block) is not block:
+            self._duplicates[kv_cache_group_id].setdefault(block_hash, {})[block.block_id] = block
+
+    def get_cached_blocks(
+        self, block_hash: BlockHash, kv_cache_group_id: int
+    ) -> list[KVCacheBlock]:
+        """Every block one group caches under `block_hash`, first-cached first."""
+        first = self.hash_to_block[kv_cache_group_id].get(block_hash)
+        if first is None:
+            return []
+        others = self._duplicates[kv_cache_group_id].get(block_hash)
+        return [first, *others.values()] if others else [first]
+
+    def _check_own_block(self, block: KVCacheBlock, method: str) -> None:
+        block_id = getattr(block, "block_id", None)
+        if (
+            type(block_id) is not int
+            or not 0 <= block_id < self.num_gpu_blocks
+            or self.blocks[block_id] is not block
+        ):
+            raise ForeignBlockError(f"{method}: {block!r} is not a block of this pool")
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is held."""

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 from pagedkv.cli._checks import examples_epilog
 from pagedkv.cli._shutdown import BROKEN_PIPE_EXIT, exit_code, interrupted, raise_on_signals, say
+from pagedkv.credentials import redact
 from pagedkv.errors import PagedKVError
 
 
@@ -42,7 +43,7 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors in one line (argparse prints the whole usage block first)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {redact(message)} (see {self.prog} --help)\n")
 
     def _print_message(self, message: str, file: Any = None) -> None:
         # argparse swallows every OSError here; a broken pipe must reach `main` (exit 141).
@@ -94,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return BROKEN_PIPE_EXIT
     except (PagedKVError, OSError) as exc:
-        print(f"{command}: error: {exc}", file=sys.stderr)
+        print(f"{command}: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except MemoryError:
         print(f"{command}: error: out of memory", file=sys.stderr)

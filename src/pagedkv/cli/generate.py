@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+from pagedkv.credentials import redact
+
 COMMAND = "generate"
 HELP = "Generate tokens with a local Hugging Face model whose KV cache lives in pagedkv blocks."
 EXAMPLES = (
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except PagedKVError as exc:
-        print(f"pagedkv generate: error: {exc}", file=sys.stderr)
+        print(f"pagedkv generate: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGHUP
         from pagedkv.cli._shutdown import exit_code, interrupted, say

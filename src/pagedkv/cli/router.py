@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from pagedkv.cli._checks import examples_epilog
+from pagedkv.credentials import redact
 
 COMMAND = "router"
 HELP = "KV-aware routing: serve the router over HTTP, fed by instances' KV events."
@@ -93,10 +94,10 @@ def run(args: argparse.Namespace) -> int:
 
         serve(config)
     except PagedKVError as exc:
-        print(f"pagedkv router serve: error: {exc}", file=sys.stderr)
+        print(f"pagedkv router serve: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except OSError as exc:  # the port is taken, an endpoint cannot be bound
-        print(f"pagedkv router serve: error: {exc}", file=sys.stderr)
+        print(f"pagedkv router serve: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # SIGHUP (the service stops on SIGINT/SIGTERM itself)
         from pagedkv.cli._shutdown import exit_code

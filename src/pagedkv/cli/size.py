@@ -14,6 +14,8 @@ import sys
 from fractions import Fraction
 from typing import Any
 
+from pagedkv.credentials import redact
+
 COMMAND = "size"
 HELP = "Size the KV cache: groups, block and page sizes, num_blocks, capacity, concurrency."
 EXAMPLES = (
@@ -252,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = _size(args)
     except PagedKVError as exc:
-        print(f"pagedkv size: error: {exc}", file=sys.stderr)
+        print(f"pagedkv size: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report, indent=2))

@@ -13,6 +13,7 @@ from pagedkv.errors import ConfigError, InvalidArgumentError, InvariantViolation
 from pagedkv.eviction import EvictionConfig
 from pagedkv.managers import (
     ChunkedLocalAttentionManager,
+    MambaAlignManager,
     SingleTypeKVCacheManager,
     manager_class_for,
 )
@@ -103,6 +104,11 @@ class KVCacheCoordinator:
         self.drop_eagle_group_ids = (
             self.eagle_group_ids if spec_decode.use_eagle else frozenset[int]()
         )
+        if spec_decode.use_eagle:
+            # Mamba prefill checkpoints follow EAGLE's replay boundary.
+            for manager in managers:
+                if isinstance(manager, MambaAlignManager):
+                    manager.drop_eagle_checkpoint_block = True
         for group_id in self.drop_eagle_group_ids:
             if enable_caching and isinstance(managers[group_id], ChunkedLocalAttentionManager):
                 raise ConfigError(
@@ -150,7 +156,12 @@ class KVCacheCoordinator:
         num_encoder_tokens: int,
         apply_admission_cap: bool = False,
         num_tokens_main_model: int | None = None,
+        prefill_end: int = 0,
     ) -> int:
+        """`prefill_end`: where the request's prefill ends; only with retention interval 0 do
+        Mamba prefill checkpoints wait for the chunk reaching it (as in vLLM 0.33)."""
+        if self.kv_cache_config.prefix_cache_retention_interval != 0:
+            prefill_end = 0
         total = 0
         for group_id, manager in enumerate(self.single_type_managers):
             if self._is_cross[group_id]:
@@ -165,6 +176,7 @@ class KVCacheCoordinator:
                     total_computed_tokens,
                     apply_admission_cap,
                     num_tokens_main_model,
+                    prefill_end,
                 )
         return total
 

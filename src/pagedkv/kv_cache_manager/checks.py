@@ -180,6 +180,10 @@ class AllocationChecker:
         self.empty_kv_cache_blocks = empty_kv_cache_blocks
         self.empty_hits: tuple[Sequence[KVCacheBlock], ...] = tuple(() for _ in self.managers)
         self.last_lookup: tuple[Request | None, KVCacheBlocks | None, int] = (None, None, -1)
+        # Strict by default: every hit block must be cached under the request's hash. The vLLM
+        # drop-in turns this on, as vLLM adopts any free block a caller names (its connectors'
+        # tests do): an uncached free block of this pool is then taken as a hit.
+        self.accept_uncached_free_hits = False
 
     def record_lookup(self, request: Request, result: KVCacheBlocks) -> None:
         """Remember a lookup result handed out, at the pool's current eviction epoch."""
@@ -329,6 +333,12 @@ class AllocationChecker:
                         f"hit block {block_id} of request {request_id!r} does not belong to "
                         "this manager's pool"
                     )
+                if (
+                    self.accept_uncached_free_hits
+                    and block.block_hash is None
+                    and block.ref_cnt == 0
+                ):
+                    continue
                 if (
                     block.block_hash is None
                     or index >= len(hashes)

@@ -162,6 +162,18 @@ class KVCacheManager:
             self.coordinator, self.empty_kv_cache_blocks
         )
 
+    def accept_uncached_free_hits(self, accept: bool) -> None:
+        """Whether `allocate_slots` takes uncached free blocks of this pool as hit blocks.
+
+        Off by default: a hit block must be cached under the request's hash (a stale or foreign
+        lookup result raises `ForeignBlockError`). vLLM's manager adopts whatever free blocks
+        its caller names (a connector's own hit); its drop-in turns this on. Such a block is
+        held like any hit and never entered into the cache for the request.
+        """
+        if not isinstance(accept, bool):
+            raise InvalidArgumentError(f"accept must be a bool, got {accept!r}")
+        self._checker.accept_uncached_free_hits = accept
+
     # ------------------------------------------------------------------ lookups
 
     def get_computed_blocks(
@@ -288,6 +300,8 @@ class KVCacheManager:
             else 0
         )
         num_free = self.block_pool.free_block_queue.num_free_blocks
+        # The scheduler's prefill boundary (resumed requests replay their output tokens).
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if full_sequence_must_fit:
             num_full_tokens = min(request.num_tokens, max_model_len)
             num_needed = coordinator.get_num_blocks_to_allocate(
@@ -298,6 +312,7 @@ class KVCacheManager:
                 num_encoder_tokens,
                 apply_admission_cap=True,
                 num_tokens_main_model=num_full_tokens,
+                prefill_end=prefill_end,
             )
             if num_needed + watermark_blocks > num_free:
                 return None
@@ -314,6 +329,7 @@ class KVCacheManager:
             num_local_computed + num_external_computed_tokens,
             num_encoder_tokens,
             num_tokens_main_model=num_tokens_main_model,
+            prefill_end=prefill_end,
         )
         num_available = self.block_pool.free_block_queue.num_free_blocks - reserved_blocks
         if num_blocks_to_allocate + watermark_blocks > num_available:

@@ -57,6 +57,11 @@ class SingleTypeKVCacheManager:
         self.new_block_ids: list[int] | None = [] if record_new_block_ids else None
         self._null_block = block_pool.null_block
 
+    @property
+    def cache_hit_alignment_tokens(self) -> int:
+        """vLLM 0.33's name of `alignment_tokens` (its tests and Mamba checkpoints read it)."""
+        return self.alignment_tokens
+
     # ------------------------------------------------------------------ counting
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -71,10 +76,12 @@ class SingleTypeKVCacheManager:
         total_computed_tokens: int,
         apply_admission_cap: bool = False,
         num_tokens_main_model: int | None = None,
+        prefill_end: int = 0,
     ) -> int:
         """Blocks to take from the free pool to hold `num_tokens`, counting evictable hits.
 
-        `num_tokens_main_model` excludes lookahead (draft) slots; only Mamba "align" uses it.
+        `num_tokens_main_model` excludes lookahead (draft) slots and `prefill_end` is where the
+        request's prefill ends; only Mamba "align" uses them.
         """
         required = cdiv(num_tokens, self.block_size)
         cap = self.max_admission_blocks_per_request

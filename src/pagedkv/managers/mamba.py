@@ -22,6 +22,44 @@ if TYPE_CHECKING:
     from pagedkv.request import Request
 
 
+def prefill_checkpoint_position(
+    num_tokens: int, hash_block_size: int, drop_eagle_block: bool, num_hash_lookahead_tokens: int
+) -> int:
+    """The reusable state boundary of a prefill of `num_tokens` (vLLM 0.33's rule).
+
+    Leaves a token to recompute for the logits and the lookahead tokens the boundary's hash
+    covers; with EAGLE, one more hash unit (its hits drop one).
+    """
+    if drop_eagle_block:
+        position = num_tokens // hash_block_size * hash_block_size - hash_block_size
+    else:
+        proof_limit = num_tokens - max(1, num_hash_lookahead_tokens)
+        position = proof_limit // hash_block_size * hash_block_size
+    return max(position, 0)
+
+
+def is_prefill_checkpoint_valid(
+    query_start: int,
+    query_end: int,
+    checkpoint_position: int,
+    hash_block_size: int,
+    block_size: int,
+    checkpoint_alignment: int | None,
+) -> bool:
+    """Whether the worker can export the state at `checkpoint_position` in this chunk."""
+    if checkpoint_alignment is None:
+        return False
+    initial_state_col = (query_start - 1) // block_size
+    checkpoint_col = cdiv(query_end, block_size) - 2
+    return (
+        query_start % hash_block_size == 0
+        and checkpoint_col > initial_state_col
+        and query_start + hash_block_size <= checkpoint_position
+        and query_start < checkpoint_position < query_end
+        and (checkpoint_position - query_start) % checkpoint_alignment == 0
+    )
+
+
 class MambaManager(SingleTypeKVCacheManager):
     """What both Mamba modes share: only the state after the last computed token is needed,
     and a hit is the rightmost state cached at an aligned boundary (no EAGLE drop: draft
@@ -88,6 +126,7 @@ class MambaNoCacheManager(MambaManager):
         total_computed_tokens: int,
         apply_admission_cap: bool = False,
         num_tokens_main_model: int | None = None,
+        prefill_end: int = 0,
     ) -> int:
         num_tokens += self.block_size * self.num_speculative_blocks
         return super().get_num_blocks_to_allocate(
@@ -116,8 +155,18 @@ class MambaAlignManager(MambaManager):
     `get_num_blocks_to_allocate` report more blocks than the pool has, so the request waits
     for the next step (`cached_hashes_this_step`, cleared by `new_step_starts`).
 
-    Not implemented: sub-block (partial) hits and their copy-on-write, prefill checkpoint
-    blocks, boundary-state hand-offs to a KV connector.
+    Prefill checkpoints (`MambaSpec.num_prefill_checkpoint_blocks`, vLLM 0.33): a chunk
+    that ends past the prompt's reusable boundary (`prefill_checkpoint_position`) and can export
+    the state there keeps the block at that boundary's column real instead of null
+    (`_checkpoints[r] = (position, column)`), so the state a resend of the prompt resumes at is
+    cached although no chunk ends there. A checkpoint that is neither the prompt's boundary,
+    nor kept by the retention mask, nor the shared-prefix junction is transient: its entry is
+    evicted again. `prefill_end` (the coordinator passes it only with retention interval 0)
+    restricts checkpoints to the chunk reaching it. pagedkv's hits are scheduler-block aligned,
+    so the boundary is always a block boundary.
+
+    Not implemented: sub-block (partial) hits and their copy-on-write, boundary-state
+    hand-offs to a KV connector.
     """
 
     def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
@@ -129,6 +178,48 @@ class MambaAlignManager(MambaManager):
         # Requests that got fresh blocks at least once (their speculative blocks exist).
         self._allocated_block_reqs: set[str] = set()
         self.cached_hashes_this_step: set[BlockHash] = set()
+        spec = cast(MambaSpec, kv_cache_spec)
+        self.has_prefill_checkpoint_blocks = spec.num_prefill_checkpoint_blocks > 0
+        self.prefill_checkpoint_alignment = spec.prefill_checkpoint_alignment
+        # Set by the coordinator with EAGLE: checkpoints follow its replay boundary.
+        self.drop_eagle_checkpoint_block = False
+        # Request -> (checkpoint position, column) reserved by the current allocation.
+        self._checkpoints: dict[str, tuple[int, int]] = {}
+
+    def _needs_internal_checkpoint(
+        self, request_id: str, query_start: int, query_end: int, position: int, prefill_end: int
+    ) -> bool:
+        column = cdiv(query_end, self.block_size) - 2
+        blocks = self.req_to_blocks.get(request_id, EMPTY_BLOCK_LIST)
+        return (
+            self.has_prefill_checkpoint_blocks
+            and query_end >= prefill_end
+            and is_prefill_checkpoint_valid(
+                query_start,
+                query_end,
+                position,
+                self.block_pool.hash_block_size,
+                self.block_size,
+                self.prefill_checkpoint_alignment,
+            )
+            and column >= 0
+            and (
+                column >= len(blocks)
+                or blocks[column] is self._null_block
+                or (
+                    request_id in self._allocated_block_reqs
+                    and column >= len(blocks) - self.num_speculative_blocks
+                )
+            )
+        )
+
+    def _checkpoint_position(self, num_tokens: int) -> int:
+        return prefill_checkpoint_position(
+            num_tokens,
+            self.alignment_tokens,
+            self.drop_eagle_checkpoint_block,
+            self.block_pool.num_hash_lookahead_tokens,
+        )
 
     def get_num_blocks_to_allocate(
         self,
@@ -138,8 +229,10 @@ class MambaAlignManager(MambaManager):
         total_computed_tokens: int,
         apply_admission_cap: bool = False,
         num_tokens_main_model: int | None = None,
+        prefill_end: int = 0,
     ) -> int:
-        """Blocks this step takes: at most one (plus the speculative ones the first time).
+        """Blocks this step takes: at most one (plus the speculative ones the first time, and
+        a prefill checkpoint's), recording the step's checkpoint unless `apply_admission_cap`.
 
         Lookahead (draft) tokens get no state block: draft models have no Mamba layers.
         """
@@ -157,9 +250,21 @@ class MambaAlignManager(MambaManager):
             - len(new_computed_blocks)
             - len(req_blocks)
         )
+        checkpoint_block = 0
+        if self.has_prefill_checkpoint_blocks:
+            position = self._checkpoint_position(num_tokens)
+            if self._needs_internal_checkpoint(
+                request_id, total_computed_tokens, num_tokens, position, prefill_end
+            ):
+                checkpoint_block = 1
+                if not apply_admission_cap:
+                    column = cdiv(num_tokens, self.block_size) - 2
+                    self._checkpoints[request_id] = (position, column)
+            elif not apply_admission_cap:
+                self._checkpoints.pop(request_id, None)
         if num_new > 0:
             cap = 1 if request_id in self._allocated_block_reqs else 1 + self.num_speculative_blocks
-            num_new = min(num_new, cap)
+            num_new = min(num_new, cap + checkpoint_block)
         null_block = self._null_block
         num_evictable = sum(
             1 for block in new_computed_blocks if block.ref_cnt == 0 and block is not null_block
@@ -179,7 +284,8 @@ class MambaAlignManager(MambaManager):
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         num_spec = self.num_speculative_blocks
         num_required = cdiv(num_tokens, self.block_size) + num_spec
-        if num_required <= len(req_blocks):
+        checkpoint_block = 1 if request_id in self._checkpoints else 0
+        if num_required <= len(req_blocks) and not checkpoint_block:
             self._allocated_block_reqs.add(request_id)
             return EMPTY_BLOCK_LIST
         num_before = len(req_blocks)
@@ -190,11 +296,14 @@ class MambaAlignManager(MambaManager):
             self.last_state_block_idx[request_id] = num_before - 1  # the hit's state block
         num_skipped = num_required - num_spec - 1
         null_block = self._null_block
-        if num_before < num_skipped:
-            req_blocks.extend([null_block] * (num_skipped - num_before))
+        # A checkpoint's column (the one before the last) stays real: the worker exports the
+        # boundary state into it.
+        null_end = num_skipped - checkpoint_block
+        if num_before < null_end:
+            req_blocks.extend([null_block] * (null_end - num_before))
         if allocated_before:
             # Speculative blocks this step leaves behind move to the end of the table.
-            for index in range(num_before - num_spec, min(num_before, num_skipped)):
+            for index in range(num_before - num_spec, min(num_before, null_end)):
                 req_blocks.append(req_blocks[index])
                 req_blocks[index] = null_block
         num_new = max(num_required - len(req_blocks), 0)
@@ -241,16 +350,47 @@ class MambaAlignManager(MambaManager):
     def cache_blocks(
         self, request: Request, num_tokens: int, replay_boundaries: Sequence[int] = ()
     ) -> None:
-        """Cache the full state blocks, remembering their hashes for the same-step rule."""
+        """Cache the full state blocks, remembering their hashes for the same-step rule; keep
+        the step's prefill checkpoint cached only where a later hit can resume at it."""
         request_id = request.request_id
         num_before = self.num_cached_block.get(request_id, 0)
         super().cache_blocks(request, num_tokens, replay_boundaries)
+        checkpoint = self._checkpoints.get(request_id)
+        if checkpoint is not None:
+            self._cache_checkpoint(request, *checkpoint)
         num_after = self.num_cached_block.get(request_id, 0)
         if num_after > num_before:
             null_block = self._null_block
             for block in self.req_to_blocks[request_id][num_before:num_after]:
                 if block is not null_block and block.block_hash is not None:
                     self.cached_hashes_this_step.add(block.block_hash)
+
+    def _cache_checkpoint(self, request: Request, position: int, column: int) -> None:
+        """Register the checkpoint block at `position`, or evict it if it is transient."""
+        block = self.req_to_blocks[request.request_id][column]
+        is_prompt_checkpoint = position == self._checkpoint_position(request.num_prompt_tokens)
+        is_retained = True
+        if self.retention_interval is not None:
+            # The interval's segment states only (vLLM passes no replay boundaries here).
+            mask = self.reachable_block_mask(request, column, column + 1, ())
+            is_retained = mask is None or mask[0]
+        junction = request.shared_prefix_boundary
+        if not is_prompt_checkpoint and not is_retained and position != junction:
+            # The transient state is overwritten in this block: no hit may resume at it.
+            self.block_pool._maybe_evict_cached_block(block)
+            return
+        hashes = self.resolve_hashes(request.block_hashes)
+        if block.block_hash is None and column < len(hashes):
+            # Masked out by sparse retention, yet reusable: cache it alone.
+            self.block_pool.cache_full_blocks(
+                request,
+                self.req_to_blocks[request.request_id],
+                hashes,
+                column,
+                column + 1,
+                self.block_size,
+                self.kv_cache_group_id,
+            )
 
     def reachable_block_mask(
         self,
@@ -291,12 +431,14 @@ class MambaAlignManager(MambaManager):
         return mask
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        self._checkpoints.pop(request_id, None)
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self._num_retired_blocks.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
     def free(self, request_id: str) -> None:
+        self._checkpoints.pop(request_id, None)
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self._num_retired_blocks.pop(request_id, None)

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from pagedkv.credentials import redact
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.router.index import IndexUnavailableError
 
@@ -21,8 +22,11 @@ class RouterClient:
     def __init__(self, url: str, timeout_s: float = 30.0) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
-            raise InvalidArgumentError(f"router URL must be http://HOST:PORT, got {url!r}")
-        self.url = url.rstrip("/")
+            raise InvalidArgumentError(
+                f"router URL must be http://HOST:PORT, got {redact(repr(url))}"
+            )
+        self.url = redact(url.rstrip("/"))
+        """For messages: credentials hidden (the service takes none)."""
         self._host, self._port = parts.hostname, parts.port or 80
         self._timeout_s = timeout_s
         self._connection: http.client.HTTPConnection | None = None

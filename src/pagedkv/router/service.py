@@ -14,9 +14,11 @@ import logging
 import signal
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pagedkv.block import to_external_hash
+from pagedkv.credentials import redact
 from pagedkv.errors import InvalidArgumentError, MissingDependencyError, PagedKVError, install_hint
 from pagedkv.hashing import make_request_block_hasher
 from pagedkv.request import Request
@@ -92,7 +94,7 @@ class RouterService:
         num = len(config.instances)
         instances = f"{num} instance{'s' if num != 1 else ''}"
         return (
-            f"pagedkv router: {instances}, index {config.index}, policy "
+            f"pagedkv router: {instances}, index {redact(config.index)}, policy "
             f"{config.policy}; prompts hashed with {config.hash_algorithm} at block size "
             f"{config.block_size} (instances must cache with the same algorithm and block size)"
         )
@@ -237,7 +239,7 @@ class RouterService:
                 "block_size": self.config.block_size,
                 "hash_algorithm": self.config.hash_algorithm,
                 "policy": self.config.policy,
-                "index": self.config.index,
+                "index": redact(self.config.index),
                 "index_available": not router.degraded,
                 "index_exact": router.exact,
                 "outages": router.num_outages,
@@ -265,10 +267,24 @@ def _load_tokenizer(path: str) -> Any:
         raise MissingDependencyError(
             f"--tokenizer needs transformers: {install_hint('torch')}"
         ) from exc
+    folder = Path(path)
+    if not folder.exists():
+        raise InvalidArgumentError(f"--tokenizer {path}: no such directory")
+    if not folder.is_dir():
+        raise InvalidArgumentError(f"--tokenizer {path}: not a directory ({_TOKENIZER_HINT})")
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise InvalidArgumentError(f"--tokenizer {path}: no tokenizer in it ({_TOKENIZER_HINT})")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise InvalidArgumentError(f"--tokenizer {path}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; one line
+        raise InvalidArgumentError(
+            f"--tokenizer {path}: transformers cannot load the tokenizer in it "
+            f"({type(exc).__name__}; {_TOKENIZER_HINT})"
+        ) from None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+_TOKENIZER_HINT = "give a local folder holding tokenizer.json or tokenizer_config.json"
 
 
 class _Metrics:

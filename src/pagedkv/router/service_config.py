@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedkv.credentials import redact
 from pagedkv.errors import ConfigError
 from pagedkv.hashing import HASH_ALGORITHMS
 from pagedkv.router.index import check_instance_id
@@ -117,7 +118,9 @@ class ServiceConfig:
                 "default sha256 hashes a pickle, which no other process can recompute)"
             )
         if self.index != "memory" and not self.index.startswith(("redis://", "rediss://")):
-            raise ConfigError(f"index must be 'memory' or redis://HOST:PORT, got {self.index!r}")
+            raise ConfigError(
+                f"index must be 'memory' or redis://HOST:PORT, got {redact(repr(self.index))}"
+            )
         if self.policy not in ROUTING_POLICY_NAMES:
             raise ConfigError(f"policy must be one of {ROUTING_POLICY_NAMES}, got {self.policy!r}")
         if self.max_load_gap is not None and not self.max_load_gap >= 0:

@@ -316,8 +316,16 @@ def _nemotron_h(r: _Reader, ctx: _Context) -> _Built:
         (conv_dim, r.get_int("conv_kernel", minimum=2) - 1),
         (num_heads, head_dim, state_size),
     )
+    # vLLM 0.33's Mamba-2 layers export their prefill checkpoint from inside a chunk, at any
+    # token: in mode "align" each request may hold one more state block.
+    align = ctx.mamba_cache_mode == "align"
     mamba = MambaSpec(
-        ctx.block_size, shapes, ctx.dtype_bytes, mamba_cache_mode=ctx.mamba_cache_mode
+        ctx.block_size,
+        shapes,
+        ctx.dtype_bytes,
+        mamba_cache_mode=ctx.mamba_cache_mode,
+        num_prefill_checkpoint_blocks=int(align),
+        prefill_checkpoint_alignment=1 if align else None,
     )
     default_head_dim = r.get("attention_head_dim")
     specs: dict[str, KVCacheSpec] = {}

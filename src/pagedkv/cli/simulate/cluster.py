@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedkv.cli._checks import float_in, int_at_least, require_extra
 from pagedkv.cli._shutdown import StopOnSignal
+from pagedkv.credentials import redact
 from pagedkv.router.policies import ROUTING_POLICY_NAMES
 
 # What one simulated instance holds open (measured: 3 descriptors with inproc, 7 with tcp):
@@ -200,8 +201,8 @@ def run(
             "instances": num_instances,
             "event_transport": args.event_transport,
             "router_max_load_gap": args.router_max_load_gap,
-            "index": args.index,
-            "router_url": args.router_url,
+            "index": redact(args.index),
+            "router_url": None if args.router_url is None else redact(args.router_url),
         },
     )
     num_simulated = trace.num_prompt_tokens * len(policies)
@@ -234,7 +235,7 @@ def _check_redis(url: str) -> None:
     try:
         RedisPrefixIndex(url, namespace="pagedkv-sim-check").ping()
     except (IndexUnavailableError, ValueError) as exc:
-        raise InvalidArgumentError(f"--index {url}: {exc}") from exc
+        raise InvalidArgumentError(redact(f"--index {url}: {exc}")) from exc
 
 
 class _Offset:

@@ -16,6 +16,7 @@ from pagedkv.cli._shutdown import StopOnSignal
 from pagedkv.cli.simulate import checks, cluster, eviction, memory, sweep
 from pagedkv.cli.simulate.args import add_arguments, resolve_mode
 from pagedkv.cli.simulate.progress import Progress
+from pagedkv.credentials import redact
 
 COMMAND = "simulate"
 HELP = "Simulate a request trace: prefix-cache hit rate, memory, preemptions, latency."
@@ -36,12 +37,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except PagedKVError as exc:
-        print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
+        print(f"pagedkv simulate: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         raise  # `pagedkv.cli.main`'s: quiet, exit 141
     except OSError as exc:
-        print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
+        print(f"pagedkv simulate: error: {redact(str(exc))}", file=sys.stderr)
         return 2
 
 

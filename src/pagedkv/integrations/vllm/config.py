@@ -7,6 +7,9 @@ pagedkv does not implement is refused here, at construction, with the reason.
 from __future__ import annotations
 
 import torch
+from vllm.v1.core.kv_cache_coordinator import (
+    _validate_prefix_cache_retention_interval as vllm_validate_retention_interval,
+)
 from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec as VllmChunkedLocalSpec
 from vllm.v1.kv_cache_interface import CrossAttentionSpec as VllmCrossAttentionSpec
@@ -89,12 +92,9 @@ def translate_spec(spec: VllmKVCacheSpec) -> KVCacheSpec:
             tuple(_dtype_bytes(dtype) for _, dtype in pairs),
             mamba_cache_mode=spec.mamba_cache_mode,
             num_speculative_blocks=spec.num_speculative_blocks,
+            num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
+            prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
         )
-        if spec.num_prefill_checkpoint_blocks:
-            raise ConfigError(
-                "pagedkv does not implement Mamba prefill checkpoint blocks "
-                f"(num_prefill_checkpoint_blocks={spec.num_prefill_checkpoint_blocks})"
-            )
         if spec.page_size_padded is None:
             # vLLM's own page_size_bytes raises TypeError on a flat shape; pagedkv's is the
             # same sum with the flat entry as a one-dimensional shape.
@@ -130,6 +130,44 @@ def translate_spec(spec: VllmKVCacheSpec) -> KVCacheSpec:
         spec.page_size_padded if isinstance(spec, VllmMambaSpec) else spec.page_size_bytes
     )
     return _with_page_size(translated, page_size_bytes)
+
+
+def as_vllm_int(value: int | bool) -> int:
+    """vLLM's meaning of a count given as a bool (its manager uses it as 0 or 1)."""
+    return int(value) if isinstance(value, bool) else value
+
+
+def check_as_vllm(
+    config: VllmKVCacheConfig,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    enable_caching: bool,
+    use_eagle: bool,
+    num_prefill_lookahead: int,
+    watermark: float,
+) -> None:
+    """Refuse what vLLM 0.33's `KVCacheManager` refuses, with its error types and messages.
+
+    Runs before the translation (pagedkv's own checks word the same faults differently, and
+    would refuse some first), in the order vLLM's constructor meets them.
+    """
+    groups = config.kv_cache_groups
+    # vLLM asserts the block-size lattice (an AssertionError, no message).
+    assert scheduler_block_size % hash_block_size == 0 and all(
+        scheduler_block_size % group.kv_cache_spec.block_size == 0 for group in groups
+    )
+    eagle_groups = use_eagle or any(group.is_eagle_group for group in groups)
+    if enable_caching and eagle_groups and scheduler_block_size < num_prefill_lookahead:
+        raise ValueError(
+            f"Multi-module MTP with prefix caching requires scheduler_block_size"
+            f" (={scheduler_block_size}) >= num_speculative_tokens"
+            f" (={num_prefill_lookahead})."
+        )
+    # vLLM's own check, so its messages are the drop-in's word for word.
+    vllm_validate_retention_interval(
+        config.prefix_cache_retention_interval, scheduler_block_size, config
+    )
+    assert watermark >= 0.0, "watermark must be non-negative"
 
 
 def translate_config(config: VllmKVCacheConfig) -> KVCacheConfig:

@@ -20,8 +20,9 @@ def _external(block_hash: bytes | int) -> bytes | int:
     return maybe_convert_block_hash(block_hash)  # type: ignore[arg-type, unused-ignore]
 
 
-def to_vllm_event(event: KVCacheEvent) -> vllm_events.KVCacheEvent:
-    """vLLM's event for one pagedkv event (same fields, vLLM's hash form)."""
+def to_vllm_event(event: KVCacheEvent | vllm_events.KVCacheEvent) -> vllm_events.KVCacheEvent:
+    """vLLM's event for one pagedkv event (same fields, vLLM's hash form); a vLLM event is
+    returned as it is."""
     if type(event) is BlockStored:
         return vllm_events.BlockStored(
             block_hashes=[_external(h) for h in event.block_hashes],
@@ -52,8 +53,12 @@ def to_vllm_event(event: KVCacheEvent) -> vllm_events.KVCacheEvent:
         )
     if type(event) is AllBlocksCleared:
         return vllm_events.AllBlocksCleared()
+    if isinstance(event, vllm_events.KVCacheEvent):
+        return event  # already vLLM's (vLLM code may append its own events to the queue)
     raise TypeError(f"not a pagedkv KV-cache event: {event!r}")
 
 
-def to_vllm_events(events: list[KVCacheEvent]) -> list[vllm_events.KVCacheEvent]:
+def to_vllm_events(
+    events: list[KVCacheEvent | vllm_events.KVCacheEvent],
+) -> list[vllm_events.KVCacheEvent]:
     return [to_vllm_event(event) for event in events]

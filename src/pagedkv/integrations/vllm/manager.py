@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+from vllm.v1.core import kv_cache_manager as vllm_kv_cache_manager
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
@@ -19,18 +21,26 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
+from vllm.v1.request import RequestStatus as VllmStatus
 
 from pagedkv.block import KVCacheBlock
 from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator
 from pagedkv.errors import ConfigError
-from pagedkv.integrations.vllm.config import translate_config
+from pagedkv.integrations.vllm.config import as_vllm_int, check_as_vllm, translate_config
 from pagedkv.integrations.vllm.events import to_vllm_events
 from pagedkv.integrations.vllm.kv_hints import KvHintReader
 from pagedkv.integrations.vllm.options import DEFAULT_OPTIONS, PagedKVOptions
-from pagedkv.integrations.vllm.requests import existing_view, map_status, sync_view
+from pagedkv.integrations.vllm.requests import (
+    VIEW_ATTRIBUTE,
+    existing_view,
+    map_status,
+    sync_view,
+)
 from pagedkv.integrations.vllm.views import BlockPoolView, CoordinatorView
 from pagedkv.kv_cache_blocks import ComputedBlocks, KVCacheBlocks
-from pagedkv.kv_cache_manager import KVCacheManager, annotate_block_stored
+from pagedkv.kv_cache_manager import KVCacheManager
+from pagedkv.request import Request as PagedKVRequest
+from pagedkv.request import RequestStatus
 
 
 def _event_metadata(kv_cache_config: KVCacheConfig) -> tuple[tuple[str, int | None], ...]:
@@ -74,6 +84,20 @@ class PagedKVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
         pagedkv_options: PagedKVOptions = DEFAULT_OPTIONS,
     ) -> None:
+        # vLLM's meaning for counts given as bools (0 or 1), then vLLM's own refusals.
+        num_hash_lookahead_tokens = as_vllm_int(num_hash_lookahead_tokens)
+        num_prefill_lookahead = as_vllm_int(num_prefill_lookahead)
+        dcp_world_size = as_vllm_int(dcp_world_size)
+        pcp_world_size = as_vllm_int(pcp_world_size)
+        check_as_vllm(
+            kv_cache_config,
+            scheduler_block_size,
+            hash_block_size,
+            enable_caching,
+            use_eagle,
+            num_prefill_lookahead,
+            watermark,
+        )
         # `pagedkv_options`: from `additional_config["pagedkv"]` (`options.py`; the Scheduler
         # subclass passes them); the defaults build vLLM's LRU order.
         self.pagedkv_options = pagedkv_options
@@ -97,6 +121,9 @@ class PagedKVCacheManager:
             watermark=watermark,
             eviction=pagedkv_options.eviction_config(),
         )
+        # vLLM adopts any free block of the pool a caller names as a hit (uncached ones too);
+        # pagedkv's core refuses those unless told (lead decision, issue 23).
+        self.core.accept_uncached_free_hits(True)
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -112,13 +139,19 @@ class PagedKVCacheManager:
         groups = kv_cache_config.kv_cache_groups
         self.num_kv_cache_groups = len(groups)
         self.coordinator = CoordinatorView.for_coordinator(
-            self.core.coordinator, [group.kv_cache_spec for group in groups]
+            self.core.coordinator,
+            [group.kv_cache_spec for group in groups],
+            self.core.scheduler_block_size,
         )
         self.block_pool = BlockPoolView(self.core.block_pool)
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.watermark_blocks = self.core.watermark_blocks
         self.kv_cache_event_metadata = _event_metadata(kv_cache_config)
         self.empty_kv_cache_blocks = self.core.empty_kv_cache_blocks
+        # The core's running allocator and live-request map, for `allocate_slots`' hot path
+        # (both live as long as the core; the map is updated in place).
+        self._running_allocator = self.core._running_allocator
+        self._live_requests = self.core._requests
         self._is_mamba = tuple(isinstance(group.kv_cache_spec, MambaSpec) for group in groups)
 
     # ------------------------------------------------------------------ reading
@@ -246,6 +279,43 @@ class PagedKVCacheManager:
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
+        # Hot path: a running request's decode step (vLLM's scheduler passes only the new and
+        # lookahead tokens) goes straight to the core's running allocator, one forwarding
+        # layer instead of two. These are the conditions of the core's own fast path
+        # (`KVCacheManager.allocate_slots`), which gives the same result; the view is synced
+        # as `sync_view` does (the status is RUNNING, no new multimodal item).
+        allocator = self._running_allocator
+        view: PagedKVRequest | None = request.__dict__.get(VIEW_ATTRIBUTE)
+        if (
+            view is not None
+            and allocator is not None
+            and request.status is VllmStatus.RUNNING
+            and new_computed_blocks is None
+            and not (
+                num_new_computed_tokens
+                or num_external_computed_tokens
+                or num_lookahead_tokens
+                or reserved_blocks
+                or full_sequence_must_fit
+                or num_encoder_tokens
+            )
+            and len(view.mm_features) == len(request.mm_features)
+            and self._live_requests.get(view.request_id) is view
+            and type(num_new_tokens) is int
+            and num_new_tokens > 0
+        ):
+            num_computed_tokens = request.num_computed_tokens
+            if num_computed_tokens + num_new_tokens <= self.max_model_len:
+                view.num_tokens = len(view.all_token_ids)
+                view.num_prompt_tokens = request.num_prompt_tokens
+                view.num_computed_tokens = num_computed_tokens
+                view.num_in_flight_tokens = request.num_in_flight_tokens
+                view.num_preemptions = request.num_preemptions
+                view.shared_prefix_boundary = request.shared_prefix_boundary
+                view.status = RequestStatus.RUNNING
+                return allocator.allocate(
+                    view, num_new_tokens, self.enable_caching and not delay_cache_blocks
+                )
         return self.core.allocate_slots(
             sync_view(request, self.hash_block_size),
             num_new_tokens,
@@ -316,13 +386,27 @@ class PagedKVCacheManager:
     # ------------------------------------------------------------------ worker hand-offs
 
     def take_events(self) -> list:
-        """Drain the events as vLLM's types, `BlockStored` annotated with the group's kind."""
+        """Drain the events as vLLM's types, `BlockStored` annotated with its group's kind.
+
+        Events already of vLLM's types (vLLM code may append them to `kv_event_queue`) pass
+        through; the annotation is vLLM's, with its warning for a group index out of range.
+        """
         events = self.core.block_pool.take_events()
         if not events:
             return []
-        # The core's annotation, with vLLM's names for the spec kinds.
-        annotate_block_stored(events, self.kv_cache_event_metadata)
-        return to_vllm_events(events)
+        converted = to_vllm_events(events)
+        metadata = self.kv_cache_event_metadata
+        for event in converted:
+            if type(event) is not VllmBlockStored or event.group_idx is None:
+                continue
+            if not 0 <= event.group_idx < len(metadata):
+                # Looked up at call time: vLLM's tests patch the module's logger.
+                vllm_kv_cache_manager.logger.warning(
+                    "Group index `%s` not in KV cache metadata", event.group_idx
+                )
+                continue
+            event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = metadata[event.group_idx]
+        return converted
 
     def take_new_block_ids(self) -> list[int]:
         """New attention blocks since the last call, for the worker to zero."""

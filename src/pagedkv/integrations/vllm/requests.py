@@ -33,6 +33,10 @@ for _status in VllmStatus:
         _STATUS_TO_PAGEDKV[_status] = RequestStatus.FINISHED_STOPPED
 
 
+_VLLM_RUNNING = VllmStatus.RUNNING
+_RUNNING = RequestStatus.RUNNING
+
+
 def map_status(status: VllmStatus) -> RequestStatus:
     """pagedkv's status for a vLLM status (an unknown future status counts as waiting)."""
     return _STATUS_TO_PAGEDKV.get(status, RequestStatus.WAITING)
@@ -86,7 +90,7 @@ def sync_view(request: VllmRequest, hash_block_size: int) -> Request:
     view = request.__dict__.get(VIEW_ATTRIBUTE)
     if view is None:
         view = make_view(request, hash_block_size)
-    elif len(view.mm_features) != len(request.mm_features):
+    elif request.mm_features and len(view.mm_features) != len(request.mm_features):
         # A streaming session appended multimodal items. Updated in place: the core knows the
         # request by this view object.
         view.mm_features = _mm_features(request)
@@ -97,7 +101,13 @@ def sync_view(request: VllmRequest, hash_block_size: int) -> Request:
     view.num_in_flight_tokens = request.num_in_flight_tokens
     view.num_preemptions = request.num_preemptions
     view.shared_prefix_boundary = request.shared_prefix_boundary
-    view.status = _STATUS_TO_PAGEDKV.get(request.status, RequestStatus.WAITING)
+    status = request.status
+    # Hot path: an identity check for the common status instead of a mapping lookup.
+    view.status = (
+        _RUNNING
+        if status is _VLLM_RUNNING
+        else _STATUS_TO_PAGEDKV.get(status, RequestStatus.WAITING)
+    )
     return view
 
 

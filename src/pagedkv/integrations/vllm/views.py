@@ -8,21 +8,28 @@ other attribute is forwarded unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
 from vllm.v1.core import kv_cache_coordinator as vllm_coordinators
 from vllm.v1.core import single_type_kv_cache_manager as vllm_stm
 from vllm.v1.kv_cache_interface import KVCacheSpec as VllmKVCacheSpec
+from vllm.v1.request import Request as VllmRequest
 
+from pagedkv import coordinators as pagedkv_coordinators
 from pagedkv import managers as pagedkv_managers
-from pagedkv.block import KVCacheBlock, make_block_hash_with_group_id
-from pagedkv.block_pool import BlockPool
-from pagedkv.coordinators import (
-    HybridKVCacheCoordinator,
-    KVCacheCoordinator,
-    UnitaryKVCacheCoordinator,
+from pagedkv.block import (
+    BlockHash,
+    BlockHashWithGroupId,
+    KVCacheBlock,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
 )
+from pagedkv.block_pool import BlockPool
+from pagedkv.coordinators import KVCacheCoordinator
+from pagedkv.hashing import resolve_block_hashes
+from pagedkv.integrations.vllm.requests import sync_view
 from pagedkv.managers import SingleTypeKVCacheManager
 
 
@@ -45,7 +52,8 @@ class ManagerView:
 
 
 def _view_class(vllm_class: type) -> type[ManagerView]:
-    view = type(f"{vllm_class.__name__}View", (ManagerView,), {})
+    # vLLM's class name: code that reports or compares `type(manager).__name__` sees vLLM's.
+    view = type(vllm_class.__name__, (ManagerView,), {})
     vllm_class.register(view)  # type: ignore[attr-defined]  # vLLM's managers are ABCs
     return view
 
@@ -80,9 +88,15 @@ class CoordinatorView:
     enable_partial_hash_hits = False
 
     def __init__(
-        self, coordinator: KVCacheCoordinator, vllm_specs: Sequence[VllmKVCacheSpec]
+        self,
+        coordinator: KVCacheCoordinator,
+        vllm_specs: Sequence[VllmKVCacheSpec],
+        scheduler_block_size: int,
     ) -> None:
         self._coordinator = coordinator
+        self.scheduler_block_size = scheduler_block_size
+        # vLLM's name: None caches densely, 0 keeps only the replay tails, N > 0 one per N.
+        self.retention_interval = coordinator.kv_cache_config.prefix_cache_retention_interval
         self.single_type_managers = tuple(
             manager_view(manager, spec)
             for manager, spec in zip(coordinator.single_type_managers, vllm_specs, strict=True)
@@ -90,13 +104,15 @@ class CoordinatorView:
 
     @staticmethod
     def for_coordinator(
-        coordinator: KVCacheCoordinator, vllm_specs: Sequence[VllmKVCacheSpec]
+        coordinator: KVCacheCoordinator,
+        vllm_specs: Sequence[VllmKVCacheSpec],
+        scheduler_block_size: int,
     ) -> CoordinatorView:
-        if isinstance(coordinator, HybridKVCacheCoordinator):
-            return HybridCoordinatorView(coordinator, vllm_specs)
-        if isinstance(coordinator, UnitaryKVCacheCoordinator):
-            return UnitaryCoordinatorView(coordinator, vllm_specs)
-        return NoPrefixCacheCoordinatorView(coordinator, vllm_specs)
+        if isinstance(coordinator, pagedkv_coordinators.HybridKVCacheCoordinator):
+            return HybridKVCacheCoordinator(coordinator, vllm_specs, scheduler_block_size)
+        if isinstance(coordinator, pagedkv_coordinators.UnitaryKVCacheCoordinator):
+            return UnitaryKVCacheCoordinator(coordinator, vllm_specs, scheduler_block_size)
+        return KVCacheCoordinatorNoPrefixCache(coordinator, vllm_specs, scheduler_block_size)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._coordinator, name)
@@ -121,48 +137,175 @@ class CoordinatorView:
             num_encoder_tokens,
             apply_admission_cap,
             num_tokens_main_model,
+            prefill_end,
         )
 
 
-class HybridCoordinatorView(CoordinatorView):
+# Named as the vLLM classes they stand for (vLLM's tests read `type(coordinator).__name__`).
+class HybridKVCacheCoordinator(CoordinatorView):
     """Stands for vLLM's `HybridKVCacheCoordinator`."""
 
+    @property
+    def _cache_hit_alignment_tokens(self) -> int:
+        """Hits land on hash blocks with sub-block hash hits, else on scheduler blocks."""
+        if self.enable_partial_hash_hits:
+            return self._coordinator.hash_block_size
+        return self.scheduler_block_size
 
-class UnitaryCoordinatorView(CoordinatorView):
+
+class UnitaryKVCacheCoordinator(CoordinatorView):
     """Stands for vLLM's `UnitaryKVCacheCoordinator`."""
 
 
-class NoPrefixCacheCoordinatorView(CoordinatorView):
+class KVCacheCoordinatorNoPrefixCache(CoordinatorView):
     """Stands for vLLM's `KVCacheCoordinatorNoPrefixCache`."""
 
 
-vllm_coordinators.HybridKVCacheCoordinator.register(HybridCoordinatorView)
-vllm_coordinators.UnitaryKVCacheCoordinator.register(UnitaryCoordinatorView)
-vllm_coordinators.KVCacheCoordinatorNoPrefixCache.register(NoPrefixCacheCoordinatorView)
+vllm_coordinators.HybridKVCacheCoordinator.register(HybridKVCacheCoordinator)
+vllm_coordinators.UnitaryKVCacheCoordinator.register(UnitaryKVCacheCoordinator)
+vllm_coordinators.KVCacheCoordinatorNoPrefixCache.register(KVCacheCoordinatorNoPrefixCache)
 
 
-class CachedBlockMapView:
-    """vLLM's `BlockHashToBlockMap` shape over pagedkv's per-group hash maps (read only).
+class BlockView:
+    """One of the pool's blocks as vLLM's `KVCacheBlock` reads: `block_hash` (and
+    `_block_hash`) in vLLM's hash + 4-byte group id form; every other attribute, read or
+    written, is the block's own.
 
-    Keys are the reference's `hash + 4-byte group id`; a value is the block, or a dict
-    `block_id -> block` when several blocks hold the hash (`_cache` is vLLM's field name).
+    Equal to the block it shows (and hashes as it), so comparisons with the blocks of
+    `KVCacheBlocks` results hold; `is` does not.
+    """
+
+    __slots__ = ("_block",)
+
+    def __init__(self, block: KVCacheBlock) -> None:
+        object.__setattr__(self, "_block", block)
+
+    @property
+    def block_hash(self) -> bytes | None:
+        block = self._block
+        if block.block_hash is None:
+            return None
+        return make_block_hash_with_group_id(block.block_hash, block.hash_group_id)
+
+    _block_hash = block_hash
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        try:
+            # getattr by name: the core's blocks may or may not carry it (sub-block hits).
+            num_tokens: int | None = getattr(self._block, "block_hash_num_tokens")  # noqa: B009
+            return num_tokens
+        except AttributeError:
+            raise AttributeError(
+                "block_hash_num_tokens: pagedkv's blocks do not record how many prefix tokens "
+                "their hash covers (it comes with sub-block hash hits; docs/vllm.md)"
+            ) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._block, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._block, name, value)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlockView):
+            other = other._block
+        return self._block is other
+
+    def __hash__(self) -> int:
+        return hash(self._block)
+
+    def __repr__(self) -> str:
+        return repr(self._block)
+
+
+def unwrap_block(block: KVCacheBlock | BlockView) -> KVCacheBlock:
+    """The pool's block behind a `BlockView` (a block is returned as it is)."""
+    return block._block if isinstance(block, BlockView) else block
+
+
+class BlockListView(Sequence[BlockView]):
+    """`block_pool.blocks`: the pool's blocks, each as a `BlockView` (built on access)."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [BlockView(block) for block in self._blocks[index]]
+        return BlockView(self._blocks[index])
+
+    def __iter__(self) -> Iterator[BlockView]:
+        return (BlockView(block) for block in self._blocks)
+
+
+def _split_key(key: bytes) -> tuple[BlockHash, int]:
+    if not isinstance(key, bytes) or len(key) <= 4:
+        raise KeyError(key)
+    return get_block_hash(BlockHashWithGroupId(key)), get_group_id(BlockHashWithGroupId(key))
+
+
+class CachedBlocksMapping(MutableMapping[bytes, "KVCacheBlock | dict[int, KVCacheBlock]"]):
+    """vLLM's `BlockHashToBlockMap._cache`, live over pagedkv's per-group hash maps.
+
+    A key is vLLM's `hash + 4-byte group id`; a value is the block, or `block_id -> block`
+    when several blocks hold the key. Writes are applied to the pool: deleting a key takes its
+    blocks out of the prefix cache (their hash is forgotten, no event, as vLLM's map edit
+    sends none); setting one enters the given unhashed blocks under it. `copy.copy` gives a
+    plain-dict snapshot.
     """
 
     def __init__(self, block_pool: BlockPool) -> None:
         self._block_pool = block_pool
 
-    @property
-    def _cache(self) -> dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]]:
-        cache: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
-        for group_id in range(self._block_pool.num_kv_cache_groups):
-            for block_hash, block_ids in self._block_pool.cached_hashes(group_id).items():
-                blocks = {block_id: self._block_pool.blocks[block_id] for block_id in block_ids}
-                key = make_block_hash_with_group_id(block_hash, group_id)
-                cache[key] = blocks[block_ids[0]] if len(blocks) == 1 else blocks
-        return cache
+    def _group_ids(self) -> range:
+        return range(self._block_pool.num_kv_cache_groups)
+
+    def __getitem__(self, key: bytes) -> KVCacheBlock | dict[int, KVCacheBlock]:
+        block_hash, group_id = _split_key(key)
+        if group_id not in self._group_ids():
+            raise KeyError(key)
+        blocks = self._block_pool.get_cached_blocks(block_hash, group_id)
+        if not blocks:
+            raise KeyError(key)
+        return blocks[0] if len(blocks) == 1 else {block.block_id: block for block in blocks}
+
+    def __setitem__(self, key: bytes, value: KVCacheBlock | dict[int, KVCacheBlock]) -> None:
+        block_hash, group_id = _split_key(key)
+        blocks = list(value.values()) if isinstance(value, dict) else [value]
+        for block in blocks:
+            self._block_pool.add_cache_entry(unwrap_block(block), block_hash, group_id)
+
+    def __delitem__(self, key: bytes) -> None:
+        value = self[key]
+        blocks = list(value.values()) if isinstance(value, dict) else [value]
+        for block in blocks:
+            self._block_pool.drop_cache_entry(block)
+
+    def __iter__(self) -> Iterator[bytes]:
+        for group_id in self._group_ids():
+            # A snapshot of the keys: callers may delete while iterating.
+            for block_hash in list(self._block_pool.hash_to_block[group_id]):
+                yield make_block_hash_with_group_id(block_hash, group_id)
 
     def __len__(self) -> int:
         return sum(len(hash_map) for hash_map in self._block_pool.hash_to_block)
+
+    def __copy__(self) -> dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]]:
+        return dict(self.items())
+
+
+class CachedBlockMapView:
+    """vLLM's `BlockHashToBlockMap` over pagedkv's per-group hash maps; edits are applied."""
+
+    def __init__(self, block_pool: BlockPool) -> None:
+        self._cache = CachedBlocksMapping(block_pool)
+
+    def __len__(self) -> int:
+        return len(self._cache)
 
     def get_one_block(self, key: bytes) -> KVCacheBlock | None:
         value = self._cache.get(key)
@@ -170,12 +313,37 @@ class CachedBlockMapView:
             return next(iter(value.values()))
         return value
 
+    def contain(self, key: bytes, block_id: int) -> bool:
+        value = self._cache.get(key)
+        if value is None:
+            return False
+        if isinstance(value, dict):
+            return block_id in value
+        return value.block_id == block_id
+
+    def insert(self, key: bytes, block: KVCacheBlock) -> None:
+        """Enter an unhashed block of this pool under `key`."""
+        self._cache[key] = block
+
+    def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
+        """Take block `block_id` out of the cache under `key`; None if it is not there."""
+        value = self._cache.get(key)
+        if value is None:
+            return None
+        block = value.get(block_id) if isinstance(value, dict) else value
+        if block is None or block.block_id != block_id:
+            return None
+        self._cache._block_pool.drop_cache_entry(block)
+        return block
+
 
 class BlockPoolView:
-    """The pool, plus vLLM's `cached_block_hash_to_block`; everything else is pagedkv's."""
+    """The pool in vLLM's shapes: `blocks` (as `BlockView`s), `cached_block_hash_to_block`,
+    `cache_full_blocks` with vLLM's signature; everything else is pagedkv's."""
 
     def __init__(self, block_pool: BlockPool) -> None:
         self._block_pool = block_pool
+        self.blocks = BlockListView(block_pool.blocks)
         self.cached_block_hash_to_block = CachedBlockMapView(block_pool)
         # Bound methods the scheduler calls, without a __getattr__ hop.
         self.free_blocks = block_pool.free_blocks
@@ -183,3 +351,27 @@ class BlockPoolView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._block_pool, name)
+
+    def cache_full_blocks(
+        self,
+        request: VllmRequest,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: list[bool] | None = None,
+    ) -> None:
+        """vLLM's `BlockPool.cache_full_blocks`: the hashes come from the request."""
+        pool = self._block_pool
+        view = sync_view(request, pool.hash_block_size)
+        pool.cache_full_blocks(
+            view,
+            [unwrap_block(block) for block in blocks],
+            resolve_block_hashes(view.block_hashes, pool.hash_block_size, block_size),
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            block_mask,
+        )

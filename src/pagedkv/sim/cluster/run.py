@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedkv.block import to_external_hash
+from pagedkv.credentials import redact
 from pagedkv.errors import ConfigError, InvariantViolation
 from pagedkv.router import (
     ROUTING_POLICY_NAMES,
@@ -83,7 +84,7 @@ class ClusterConfig:
         ):
             raise ConfigError(
                 f"index_url must be redis://HOST:PORT[/DB] (or rediss://, unix://), got "
-                f"{self.index_url!r}"
+                f"{redact(repr(self.index_url))}"
             )
 
 
