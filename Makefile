@@ -4,7 +4,8 @@
 #   make test       lint and types (make lint), then the whole test suite, every extra installed,
 #                   redis-server required; then vLLM's own scheduler suites on pagedkv
 #                   (.ci/vllm-suites, its own venv); between the two, .ci/wheel-smoke: the wheel
-#                   installed into a fresh venv runs `pagedkv simulate` from another folder
+#                   installed into a fresh venv runs `pagedkv simulate` from another folder;
+#                   last, .ci/router-e2e: the router in front of vLLM's own manager and publisher
 #   make test-pagedkv   lint and types, then our suite alone
 #   make lint       ruff check, ruff format --check, mypy (configured in pyproject.toml)
 #
@@ -26,6 +27,7 @@ simulate: $(VENV)/.pagedkv-sim
 # PAGEDKV_REQUIRE_REDIS: the Redis tests' own check of the same (tests/support/redis_server.py).
 test: test-pagedkv wheel-smoke
 	PYTHON="$(PYTHON)" .ci/vllm-suites
+	VENV="$(VENV)" .ci/router-e2e
 
 # The package as a user gets it: build the wheel, install it with [sim,router] into a fresh
 # venv, run the main job, `size` and the vLLM-mode router from a folder outside the clone.

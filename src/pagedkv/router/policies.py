@@ -66,7 +66,7 @@ class LeastLoadedPolicy:
 class PrefixAwarePolicy:
     """The instance caching the longest prefix of the request (ties: least load, then one at
     random from a generator seeded with `seed`, so equal instances share the traffic and a
-    run is reproducible).
+    run is reproducible; `seed=None`: the first listed, as the simulator's runs keep).
 
     `max_load_gap`: when set, only instances within this much load of the least loaded one
     are candidates, so a prefix every request shares (a system prompt) cannot pile the whole
@@ -76,11 +76,11 @@ class PrefixAwarePolicy:
     name = "prefix-aware"
     uses_index = True
 
-    def __init__(self, max_load_gap: float | None = None, seed: int = 0) -> None:
+    def __init__(self, max_load_gap: float | None = None, seed: int | None = 0) -> None:
         if max_load_gap is not None and not max_load_gap >= 0:
             raise InvalidArgumentError(f"max_load_gap must be >= 0, got {max_load_gap!r}")
         self.max_load_gap = max_load_gap
-        self._rng = random.Random(seed)
+        self._rng = None if seed is None else random.Random(seed)
 
     def choose(
         self,
@@ -96,11 +96,14 @@ class PrefixAwarePolicy:
             candidates = [i for i in instance_ids if loads.get(i, 0) <= limit]
         best_key = min((-match_lengths.get(i, 0), loads.get(i, 0)) for i in candidates)
         best = [i for i in candidates if (-match_lengths.get(i, 0), loads.get(i, 0)) == best_key]
-        return best[0] if len(best) == 1 else self._rng.choice(best)
+        return best[0] if len(best) == 1 or self._rng is None else self._rng.choice(best)
 
 
-def make_policy(name: str, max_load_gap: float | None = None, seed: int = 0) -> RoutingPolicy:
-    """Build a policy by its CLI name (`max_load_gap` and `seed` apply to prefix-aware only)."""
+def make_policy(
+    name: str, max_load_gap: float | None = None, seed: int | None = None
+) -> RoutingPolicy:
+    """Build a policy by its CLI name (`max_load_gap` and `seed` apply to prefix-aware only;
+    `seed=None`: ties go to the first listed)."""
     if name == "round-robin":
         return RoundRobinPolicy()
     if name == "least-loaded":
