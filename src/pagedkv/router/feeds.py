@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pagedkv.errors import ThreadOwnershipError
 from pagedkv.router.router import NEVER_CONNECTED, NOT_CONNECTED_YET, Router
 from pagedkv.router.service_config import InstanceConfig
 
@@ -79,10 +80,24 @@ class EventFeeds:
         self._health_thread: threading.Thread | None = None
 
     def snapshot_source(self, instance_id: str) -> Any:
-        """The router's `snapshot_source`: ask the instance's publisher for a snapshot."""
+        """The router's `snapshot_source`: ask the instance's publisher for a snapshot.
+
+        Threading: once `start` ran, the subscribers' sockets belong to the feed thread (ZeroMQ
+        sockets are not thread-safe), so a call from any other thread is refused with
+        `ThreadOwnershipError` instead of racing the thread's polls; `start` also stops the
+        router's HTTP-side calls from recovering (`Router.recovers_on_calls`)."""
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            caller = threading.current_thread().name
+            raise ThreadOwnershipError(
+                f"the subscriber of {instance_id!r} is owned by thread {self._thread.name!r}; "
+                f"thread {caller!r} may not use its sockets",
+                owner_thread=self._thread.name,
+                calling_thread=caller,
+            )
         return self.subscribers[instance_id].sync_batch()
 
     def start(self) -> None:
+        self.router.recovers_on_calls = False  # recovery runs between this thread's polls
         self._thread.start()
         if self.health_urls:
             self._health_thread = threading.Thread(
