@@ -11,12 +11,11 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from tests.support.redis_server import free_port  # noqa: E402
-
 from pagedkv.errors import ThreadOwnershipError  # noqa: E402
 from pagedkv.router import Router  # noqa: E402
 from pagedkv.router.feeds import EventFeeds  # noqa: E402
 from pagedkv.router.service_config import InstanceConfig  # noqa: E402
+from tests.support.redis_server import free_port  # noqa: E402
 
 
 def make_feeds() -> tuple[Router, EventFeeds]:

@@ -24,6 +24,7 @@ pytest.importorskip("prometheus_client")
 
 from aiohttp import web  # noqa: E402
 
+from pagedkv.errors import ConfigError  # noqa: E402
 from pagedkv.router.http_schema import (  # noqa: E402
     BodyError,
     ReleaseBody,
@@ -291,3 +292,38 @@ def test_tokenizer_mistakes_are_one_line_about_the_path(tmp_path, capsys):
         assert answer["num_blocks"] == 2  # five tokens: two full blocks of 2
     finally:
         service.feeds.close()
+
+
+@pytest.mark.parametrize(("tie_break", "expected"), [("first", ["gpu0"] * 6), ("random", None)])
+def test_ties_go_to_the_first_listed_or_a_seeded_random_pick(tie_break, expected):
+    """Two empty, equally loaded instances: "first" always picks gpu0 (simulate's in-process
+    rule); "random" spreads the picks, the same ones for the same seed."""
+    picks: dict[int, list[str]] = {}
+    for seed in (0, 0, 1):
+        config = ServiceConfig(
+            instances=(
+                InstanceConfig("gpu0", f"inproc://ties-{tie_break}-{seed}-{len(picks)}-a"),
+                InstanceConfig("gpu1", f"inproc://ties-{tie_break}-{seed}-{len(picks)}-b"),
+            ),
+            block_size=4,
+            seed=seed,
+            tie_break=tie_break,
+        )
+        service = RouterService(config)
+        try:
+            router = service.router
+            chosen = [router.route([1, 2, 3], {"gpu0": 0, "gpu1": 0}).instance_id for _ in range(6)]
+        finally:
+            service.feeds.close()
+        if seed in picks:
+            assert chosen == picks[seed]  # reproducible for a seed
+        picks[seed] = chosen
+    if expected is not None:
+        assert picks[0] == expected and picks[1] == expected
+    else:
+        assert set(picks[0]) == {"gpu0", "gpu1"}
+
+
+def test_a_bad_tie_break_is_refused_naming_it():
+    with pytest.raises(ConfigError, match="tie_break must be 'random' or 'first', got 'lowest'"):
+        ServiceConfig(instances=(InstanceConfig("gpu0", "inproc://tb"),), tie_break="lowest")

@@ -77,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grace-s", type=float, help="keep a down instance's entries this long (default 30)"
     )
     serve.add_argument("--seed", type=int, help="seed of the random tie-break (default 0)")
+    serve.add_argument(
+        "--tie-break",
+        choices=("random", "first"),
+        help="equally good, equally loaded instances: seeded random, or the first listed as "
+        "simulate's in-process router does (default random)",
+    )
     serve.add_argument("--tokenizer", metavar="DIR", help="a local tokenizer, to accept text")
 
 
@@ -128,6 +134,7 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - lazy import of the type
         "stale_after_s": args.stale_after_s,
         "grace_s": args.grace_s,
         "seed": args.seed,
+        "tie_break": args.tie_break,
         "tokenizer": args.tokenizer,
     }
     instances = [parse_instance(spec, args.instance_format) for spec in args.instance]

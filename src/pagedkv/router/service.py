@@ -62,9 +62,10 @@ class RouterService:
             from pagedkv.router.redis_index import RedisPrefixIndex
 
             index = RedisPrefixIndex(config.index, idempotent_stores=idempotent)
+        seed = None if config.tie_break == "first" else config.seed  # None: first listed
         self.router = Router(
             ids,
-            make_policy(config.policy, config.max_load_gap, config.seed),
+            make_policy(config.policy, config.max_load_gap, seed),
             index=index,
             snapshot_source=self._snapshot,
             retry_interval_s=config.retry_interval_s,
@@ -72,8 +73,7 @@ class RouterService:
             hash_check=BlockHashCheck(config.hash_algorithm, config.block_size),
         )
         self.policies = {
-            name: make_policy(name, config.max_load_gap, config.seed)
-            for name in ROUTING_POLICY_NAMES
+            name: make_policy(name, config.max_load_gap, seed) for name in ROUTING_POLICY_NAMES
         }
         self.policies[config.policy] = self.router.policy
         self.feeds = EventFeeds(

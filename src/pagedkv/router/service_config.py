@@ -93,6 +93,10 @@ class ServiceConfig:
     """How long a down instance's entries are kept for its stream to resume."""
     seed: int = 0
     """Seeds the random tie-break between equally good, equally loaded instances."""
+    tie_break: str = "random"
+    """"random" (seeded by `seed`: equal instances share the traffic) or "first" (the first
+    listed, as `pagedkv simulate`'s in-process router breaks ties, so a run through the
+    service can be compared with one in process)."""
     tokenizer: str | None = None
     """A local tokenizer directory (transformers), so requests may send text."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -135,6 +139,8 @@ class ServiceConfig:
                 raise ConfigError(f"{name} must be a number > 0, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
+        if self.tie_break not in ("random", "first"):
+            raise ConfigError(f"tie_break must be 'random' or 'first', got {self.tie_break!r}")
 
 
 def parse_instance(spec: str, instance_format: str = "pagedkv") -> InstanceConfig:
@@ -164,6 +170,7 @@ _FILE_KEYS = {
     "stale_after_s",
     "grace_s",
     "seed",
+    "tie_break",
     "tokenizer",
     "instances",
 }
