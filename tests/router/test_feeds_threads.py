@@ -1,7 +1,7 @@
 """The feeds' threading model (issue 24): once the feed thread runs, the subscribers' ZeroMQ
-sockets are its own. Recovery asked for from another thread (an HTTP handler's `score`/`route`)
-is refused instead of racing the thread's polls, and the router leaves recovery to that
-thread. Real threads, real sockets on loopback."""
+sockets are its own. A snapshot asked for from another thread (an HTTP handler) is refused
+instead of racing the thread's polls, while the router's own calls from that thread still work
+(they use no socket). Real threads, real sockets on loopback."""
 
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ def make_feeds() -> tuple[Router, EventFeeds]:
 def test_before_start_any_thread_may_recover():
     router, feeds = make_feeds()
     try:
-        assert router.recovers_on_calls
         # Not started: the caller is the only user of the sockets; no publisher answers.
         assert feeds.snapshot_source("gpu0") is None
     finally:
@@ -43,7 +42,6 @@ def test_after_start_another_thread_is_refused_and_calls_do_not_recover():
     router, feeds = make_feeds()
     feeds.start()
     try:
-        assert not router.recovers_on_calls
         errors: list[BaseException] = []
 
         def handler() -> None:  # what an HTTP handler thread would do
@@ -61,8 +59,7 @@ def test_after_start_another_thread_is_refused_and_calls_do_not_recover():
         assert "'gpu0'" in str(errors[0])
         with pytest.raises(ThreadOwnershipError):
             feeds.snapshot_source("gpu0")  # the main thread is not the owner either
-        # The router's own calls no longer recover on the caller's thread: scoring from here
-        # leaves the sockets alone (no ThreadOwnershipError escapes).
+        # The router's own calls from this thread (claiming the index included) use no socket.
         with feeds.lock:
             assert router.score([1, 2], ["gpu0"]) == {"gpu0": 0}
     finally:

@@ -84,8 +84,7 @@ class EventFeeds:
 
         Threading: once `start` ran, the subscribers' sockets belong to the feed thread (ZeroMQ
         sockets are not thread-safe), so a call from any other thread is refused with
-        `ThreadOwnershipError` instead of racing the thread's polls; `start` also stops the
-        router's HTTP-side calls from recovering (`Router.recovers_on_calls`)."""
+        `ThreadOwnershipError` instead of racing the thread's polls."""
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             caller = threading.current_thread().name
             raise ThreadOwnershipError(
@@ -97,7 +96,6 @@ class EventFeeds:
         return self.subscribers[instance_id].sync_batch()
 
     def start(self) -> None:
-        self.router.recovers_on_calls = False  # recovery runs between this thread's polls
         self._thread.start()
         if self.health_urls:
             self._health_thread = threading.Thread(

@@ -213,10 +213,7 @@ class Router:
         """The index cannot be used (unreachable, or lost): routing falls back."""
         self._claimed = False
         self._last_attempt: float | None = None
-        self.recovers_on_calls = True
-        """Whether `score`/`route` may run recovery themselves. A feed thread that owns the
-        snapshot source's sockets (`EventFeeds.start`) sets it False and recovers between its
-        polls: ZeroMQ sockets must not be used from two threads."""
+
         self.num_outages = 0
         self.num_recoveries = 0
         self.num_fallback_decisions = 0
@@ -482,7 +479,10 @@ class Router:
     # ------------------------------------------------------------------ outages and recovery
 
     def _usable(self) -> bool:
-        if (self.degraded or not self._claimed) and self.recovers_on_calls:
+        # Called from HTTP handlers: what this may start uses no snapshot source (whose sockets
+        # belong to the feed thread): claiming clears, a shared backend is rebuilt from
+        # `shadow`, and an in-memory index never becomes unavailable.
+        if self.degraded or not self._claimed:
             self.maybe_recover()
         return not self.degraded and self._claimed
 
