@@ -213,7 +213,6 @@ class Router:
         """The index cannot be used (unreachable, or lost): routing falls back."""
         self._claimed = False
         self._last_attempt: float | None = None
-
         self.num_outages = 0
         self.num_recoveries = 0
         self.num_fallback_decisions = 0
