@@ -185,16 +185,22 @@ def probe(run: Run, service: Service, engines: list[Engine], phase: str) -> None
         )
         if engine.alive:
             engine.ask({"op": "flush"})
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:  # the router may lag the engines by a few batches
+    # The router's answers are exact as of the last batch it applied: compare only once it has
+    # seen every engine's batches up to the truth's (a lost tail is fetched by its tail check).
+    deadline = time.monotonic() + RECOVERY_LIMIT_S
+    while True:
         _, health = service.call("/health")
         states = health.get("instances", {})
-        if all(
-            not e.alive or e.seq is None or (states[e.name]["last_seq"] or -1) >= e.seq
-            or states[e.name]["down"] or states[e.name]["misconfigured"]
-            for e in engines if e.name in states
-        ):  # fmt: skip
+        behind = [
+            e.name for e in engines
+            if e.name in states and e.alive and e.seq is not None
+            and not (states[e.name]["down"] or states[e.name]["misconfigured"])
+            and (states[e.name]["last_seq"] is None or states[e.name]["last_seq"] < e.seq)
+        ]  # fmt: skip
+        if not behind:
             break
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{phase}: the router did not catch up with {behind}: {health}")
         time.sleep(0.02)
     for position, tokens in enumerate(sample):
         status, answer = service.call("/score", {"token_ids": tokens})

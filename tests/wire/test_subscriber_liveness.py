@@ -154,5 +154,70 @@ def test_a_long_replay_is_read_whole_and_one_replay_covers_a_stall():
             # One gap, one replay answer of thousands of batches (longer than 1 s would be fine:
             # the deadline is per batch), the rest of the live queue skipped as duplicates.
             assert sub.num_lost == 0, (sub.num_gaps, sub.num_replayed, sub.num_duplicates)
-            assert sub.num_gaps == 1
+            assert sub.num_gaps == 1, (
+                sub.num_gaps,
+                sub.num_replayed,
+                sub.num_duplicates,
+                sub.num_received,
+            )
             assert sub.num_replayed > num_batches - 200
+
+
+@pytest.mark.parametrize("buffer_steps", [100, 5000])
+def test_a_lost_tail_is_found_by_check_tail_without_another_batch(buffer_steps):
+    # PUB/SUB drops what passes the pipe's HWM without a trace; when the publisher then goes
+    # quiet no later batch reveals the gap. inproc makes the pipe's capacity exact.
+    context = zmq.Context()
+    try:
+        with ZmqEventPublisher(
+            "inproc://tail", "inproc://tail-replay", bind=True, hwm=4,
+            buffer_steps=buffer_steps, context=context,
+        ) as publisher:  # fmt: skip
+            sub = ZmqEventSubscriber("inproc://tail", "inproc://tail-replay", context=context)
+            with sub:
+                assert sub.check_tail() == []  # nothing published: nothing behind
+                publisher.publish(event(0))
+                poll_until(sub, lambda r: r and r[-1].seq == 0)
+                num_batches = 2000
+                for n in range(1, num_batches):  # nobody reads: the pipe fills, the rest drops
+                    publisher.publish(event(n))
+                deadline = time.monotonic() + 10
+                while publisher.sent_batches < num_batches:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                live = []
+                while batch := sub.poll(0.05):
+                    live.extend(batch)
+                last = live[-1].seq
+                assert [r.seq for r in live] == list(range(1, last + 1))  # no gap to see
+                assert last < num_batches - 1 and sub.num_lost == 0
+
+                tail = sub.check_tail()
+                oldest = num_batches - buffer_steps
+                first = max(last + 1, oldest)
+                assert [r.seq for r in tail] == list(range(first, num_batches))
+                assert tail[0].num_lost_before == max(0, oldest - (last + 1))
+                assert sub.num_lost == max(0, oldest - (last + 1))
+                assert [e.block_hashes for r in tail for e in r.batch.events] == [
+                    [n] for n in range(first, num_batches)
+                ]
+                assert sub.check_tail() == [] and sub.num_tail_checks_behind == 1
+                publisher.publish(event(num_batches))  # the live stream goes on from there
+                got = poll_until(sub, lambda r: r and r[-1].seq == num_batches)
+                assert [r.seq for r in got] == [num_batches] and got[0].num_lost_before == 0
+    finally:
+        context.destroy(linger=0)
+
+
+def test_check_tail_asks_nothing_without_a_replay_endpoint_or_while_disconnected():
+    port = free_port()
+    with ZmqEventPublisher(f"tcp://127.0.0.1:{port}", bind=True) as publisher:
+        sub = ZmqEventSubscriber(f"tcp://127.0.0.1:{port}")
+        with sub:
+            poll_until(sub, lambda _: sub.connected)
+            publisher.publish(event(0))
+            assert sub.check_tail() == [] and publisher.replay_requests == 0
+    lonely = ZmqEventSubscriber(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    with lonely:
+        assert lonely.connected is False
+        assert lonely.check_tail() == [] and lonely.num_tail_unanswered == 0

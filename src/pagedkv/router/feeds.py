@@ -27,6 +27,9 @@ class EventFeeds:
 
     Contract: batches are applied in sequence order, each once (`Router.apply_batch`), a loss
     (`num_lost` grew) marks the instance lost, and `Router.maybe_recover` runs between polls.
+    A stream quiet for `retry_interval_s` is asked for its tail (`check_tail`: one replay
+    request), so batches lost at a stream's end (dropped in a stall or a reconnection) are
+    found within an interval even if the engine publishes nothing more.
     Liveness, decided after every poll: an instance is down (`Router.set_down`) while its
     stream is disconnected (the socket monitor; ZMTP heartbeats make a silent peer a
     disconnection after `stale_after_s`), while a reconnection is not yet resolved (same
@@ -73,6 +76,8 @@ class EventFeeds:
                 router.states[instance_id].ever_live = False
                 router.set_down(instance_id, NOT_CONNECTED_YET)
         self.applied_seq: dict[str, int | None] = dict.fromkeys(self.subscribers)
+        self._last_heard_s = dict.fromkeys(self.subscribers, self._started_s)
+        """When each stream last delivered a batch, or was last asked for its tail."""
         self.num_events_applied: dict[str, int] = dict.fromkeys(self.subscribers, 0)
         self._last_resync_s = 0.0
         self._stop = threading.Event()
@@ -116,9 +121,17 @@ class EventFeeds:
         returns the number of batches seen."""
         num_batches = 0
         router = self.router
+        now = time.monotonic()
         for instance_id, subscriber in self.subscribers.items():
             num_lost = subscriber.num_lost
             items = subscriber.poll(0)
+            if items:
+                self._last_heard_s[instance_id] = now
+            elif now - self._last_heard_s[instance_id] >= self._tail_interval_s(subscriber):
+                # A quiet stream: batches lost at its very end show no gap until the next
+                # one, which an idle engine may never send (subscriber.check_tail).
+                self._last_heard_s[instance_id] = now
+                items = subscriber.check_tail()
             with self.lock:
                 accounted = 0
                 for item in items:
@@ -142,6 +155,13 @@ class EventFeeds:
         if not num_batches and timeout_ms:
             self._wait(timeout_ms)
         return num_batches
+
+    def _tail_interval_s(self, subscriber: Any) -> float:
+        """How long a stream stays quiet before its tail is checked: the retry interval (at
+        least one idle wait), doubled per unanswered check up to 32x, so a replay endpoint
+        that does not answer costs the feed one timeout per 32 intervals, not per interval."""
+        base_s = max(self.router.retry_interval_s, _IDLE_WAIT_MS / 1000)
+        return base_s * 2 ** min(subscriber.num_tail_unanswered, 5)
 
     def _down_reason(self, instance_id: str, subscriber: Any) -> str | None:
         if subscriber.connected is False:

@@ -123,6 +123,10 @@ class ZmqEventSubscriber:
         self.num_lost = 0
         self.num_restarts = 0
         self.num_disconnects = 0
+        self.num_tail_checks_behind = 0
+        """`check_tail` calls that found batches the live stream had not delivered."""
+        self.num_tail_unanswered = 0
+        """`check_tail` requests in a row that got no answer (a consumer backs off)."""
         self._last_live_seq: int | None = None
         self._pending_lost = 0
         self._last_ts: float | None = None  # of batch `last_seq`: tells incarnations apart
@@ -190,6 +194,40 @@ class ZmqEventSubscriber:
         expected = 0 if self.last_seq is None else self.last_seq + 1
         if expected < next_seq:
             self._recover(expected, next_seq, out)
+        return out
+
+    def check_tail(self) -> list[ReceivedBatch]:
+        """Ask the replay buffer for anything past the last batch received; the batches to
+        apply, in order (the first flagged `num_lost_before` if the buffer wrapped past ours).
+
+        PUB/SUB shows a loss at the end of a stream only with the publisher's next batch: the
+        batches in flight while the subscriber stalled or reconnected are dropped without a
+        trace, and an engine that then goes quiet leaves a consumer believing a state that
+        may hold blocks evicted since. A consumer calls this while a stream is quiet (the
+        router: every retry interval); one replay request, answered with nothing when the
+        subscriber is current. Nothing is done without a replay endpoint, while disconnected
+        or while a reconnection is unresolved; an unanswered request changes nothing."""
+        out: list[ReceivedBatch] = []
+        if self.replay_endpoint is None or self.connected is False or self.suspect_restart:
+            return out
+        expected = 0 if self.last_seq is None else self.last_seq + 1
+        replayed = self._request_replay(expected)
+        self.num_tail_unanswered = 0 if replayed is not None else self.num_tail_unanswered + 1
+        oldest = next((seq for seq, _ in replayed or () if seq >= expected), None)
+        if oldest is None:
+            return out
+        self.num_tail_checks_behind += 1
+        if oldest > expected:
+            logger.warning(
+                "KV events %d..%d are lost (replay buffer wrapped)", expected, oldest - 1
+            )
+            self.num_missed += oldest - expected
+            self.num_lost += oldest - expected
+            self.last_seq = oldest - 1
+            self._last_ts = None
+        self._append_replayed(replayed or [], oldest, None, out)
+        if out and oldest > expected:
+            out[0].num_lost_before = oldest - expected
         return out
 
     def sync(self) -> ReceivedBatch | None:
@@ -368,7 +406,11 @@ class ZmqEventSubscriber:
             expected = next_needed
         # The buffer starts after `expected` (it wrapped): lost up to its oldest batch, then
         # apply the rest of the answer (entries after a loss are real: the instance stays safe).
-        oldest = next((seq for seq, _ in replayed if expected < seq <= upto), upto)
+        # Its oldest batch may be past `upto` too: the live batch at `upto` and whatever is
+        # queued behind it are then older than the publisher's whole buffer (a backlog from a
+        # stall), so they count as lost and are dropped as already seen. Applying them would
+        # store blocks whose evictions were in the batches lost.
+        oldest = next((seq for seq, _ in replayed if seq > expected), upto)
         logger.warning("KV events %d..%d are lost (no replay or snapshot)", expected, oldest - 1)
         self.num_missed += oldest - expected
         self.num_lost += oldest - expected

@@ -256,6 +256,9 @@ class ZmqEventPublisher:
             if self._requested_replay is not None:
                 router = self._context.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
+                # A ROUTER drops what passes its send HWM (1,000 by default) without a word: a
+                # replay answer (at most buffer_steps batches) would come with holes.
+                router.setsockopt(zmq.SNDHWM, 0)
                 if wants_ipv6(self._requested_replay):
                     router.setsockopt(zmq.IPV6, 1)
                 router.bind(self._requested_replay)
