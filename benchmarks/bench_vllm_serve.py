@@ -55,7 +55,7 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("simulate_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    from pagedkv.cli import simulate as cli_simulate
+    from pagedkv.cli.simulate import command as cli_simulate
     from pagedkv.sim import cost_model
 
     simulate_parser = argparse.ArgumentParser()
@@ -63,6 +63,7 @@ def main() -> int:
     extra = [item for item in args.simulate_args if item != "--"]
     sim_args = simulate_parser.parse_args(["--mode", "serve", *extra])
     sim_args.time_scale = sim_args.time_scale or 1.0
+    cli_simulate.sweep.normalize(sim_args, cli_simulate._error, True)  # one value per axis
     trace = cli_simulate._load(sim_args)
     config, _ = cli_simulate._serve_config(sim_args, cost_model)
     model_dir = tempfile.mkdtemp(prefix="pagedkv-vllm-model-")

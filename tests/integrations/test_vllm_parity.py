@@ -243,3 +243,22 @@ def test_uncached_free_blocks_given_as_hits_are_adopted_like_vllms():
     assert tables[0] == tables[1]
     flat = [block_id for group in tables[1] for block_id in group]
     assert len(set(flat) - {0}) == len([b for b in flat if b])
+
+
+def test_the_shared_prefix_checkpoint_is_off_and_says_so(caplog):
+    # vLLM narrows the flag to False without sub-block hash hits; pagedkv has none, so it is
+    # always off, and asking for it is one warning rather than silence.
+    specs = (full(16),)
+    with caplog.at_level("WARNING", logger="pagedkv.integrations.vllm.manager"):
+        manager = PagedKVCacheManager(
+            config(16, specs), **kwargs_for(specs, enable_mamba_shared_prefix_checkpoint=True)
+        )
+    assert manager.mamba_shared_prefix_checkpoint is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "enable_mamba_shared_prefix_checkpoint=True is ignored: pagedkv has no sub-block "
+        "hash hits, which the checkpoint needs (vLLM turns it off without them too)"
+    ]
+    vllm_manager = VllmKVCacheManager(
+        config(16, specs), **kwargs_for(specs, enable_mamba_shared_prefix_checkpoint=True)
+    )
+    assert vllm_manager.mamba_shared_prefix_checkpoint is False  # no Mamba group: off there too

@@ -8,6 +8,7 @@ vLLM's), statistics as vLLM's `PrefixCacheStats`, events as vLLM's event types.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from vllm.distributed.kv_events import BlockStored as VllmBlockStored
@@ -42,6 +43,8 @@ from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request as PagedKVRequest
 from pagedkv.request import RequestStatus
 
+logger = logging.getLogger(__name__)
+
 
 def _event_metadata(kv_cache_config: KVCacheConfig) -> tuple[tuple[str, int | None], ...]:
     """Per group, the spec kind and window vLLM annotates its `BlockStored` events with (its
@@ -60,8 +63,10 @@ class PagedKVCacheManager:
 
     Invariant: `core` owns every block; this class keeps only vLLM-facing state (the
     `PrefixCacheStats` object and the event metadata) and never changes a block itself.
-    Not supported (refused at construction): decode/prefill context parallelism > 1, the
-    Mamba shared-prefix checkpoint, and the spec types `config.translate_spec` lists.
+    Not supported (refused at construction): decode/prefill context parallelism > 1 and the
+    spec types `config.translate_spec` lists. Accepted and off: the Mamba shared-prefix
+    checkpoint (vLLM turns it off itself without sub-block hash hits, which pagedkv lacks; a
+    request for it logs one warning).
     """
 
     def __init__(
@@ -133,9 +138,14 @@ class PagedKVCacheManager:
         self.metrics_collector = metrics_collector
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.hash_block_size = hash_block_size
-        # pagedkv has no sub-block hash hits, which the shared-prefix checkpoint needs.
+        # pagedkv has no sub-block hash hits, which the shared-prefix checkpoint needs: off, as
+        # vLLM narrows it when its coordinator has none (`enable_partial_hash_hits`).
         self.mamba_shared_prefix_checkpoint = False
-        del enable_mamba_shared_prefix_checkpoint
+        if enable_mamba_shared_prefix_checkpoint:
+            logger.warning(
+                "enable_mamba_shared_prefix_checkpoint=True is ignored: pagedkv has no sub-block "
+                "hash hits, which the checkpoint needs (vLLM turns it off without them too)"
+            )
         groups = kv_cache_config.kv_cache_groups
         self.num_kv_cache_groups = len(groups)
         self.coordinator = CoordinatorView.for_coordinator(
