@@ -33,6 +33,7 @@ from pagedkv.specs import (
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    ReplayedSlidingWindowSpec,
     SlidingWindowSpec,
 )
 from pagedkv.stats import CachingMetrics, PrefixCacheStats
@@ -75,6 +76,7 @@ __all__ = [
     "RequestBlockHasher",
     "RequestStatus",
     "RequestStateError",
+    "ReplayedSlidingWindowSpec",
     "SlidingWindowSpec",
     "UnknownHashAlgorithmError",
     "make_request_block_hasher",

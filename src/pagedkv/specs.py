@@ -160,6 +160,21 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class ReplayedSlidingWindowSpec(SlidingWindowSpec):
+    """Sliding-window attention rebuilt by bounded prefix replay (vLLM's `bounded_replay`,
+    DeepSeek-V4.1's compressed-attention windows): its blocks never enter the prefix cache, so
+    a hit is decided by the other groups alone and this group gets none; the scheduler
+    recomputes the hit's last `prefix_replay_tokens` (the window) to rebuild its KV.
+    Allocation is a sliding window's: positions outside the window are the null block."""
+
+    prefix_cacheable: ClassVar[bool] = False
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        return self.sliding_window
+
+
+@dataclass(frozen=True)
 class ChunkedLocalAttentionSpec(AttentionSpec):
     """Chunked local attention (Llama 4): a token attends within its own chunk."""
 

@@ -26,6 +26,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request  # noqa: E402
@@ -262,3 +263,31 @@ def test_the_shared_prefix_checkpoint_is_off_and_says_so(caplog):
         config(16, specs), **kwargs_for(specs, enable_mamba_shared_prefix_checkpoint=True)
     )
     assert vllm_manager.mamba_shared_prefix_checkpoint is False  # no Mamba group: off there too
+
+
+def test_bounded_replay_windows_are_allocated_like_vllms():
+    # DeepSeek-V4.1's replayed window: never cached, no hit blocks, nulls where the window no
+    # longer reaches. The same prompts on both managers give the same tables, hits and events.
+    window = SlidingWindowMLASpec(
+        block_size=16, num_kv_heads=1, head_size=64, dtype=DTYPE, sliding_window=32,
+        bounded_replay=True,
+    )  # fmt: skip
+    results = []
+    for manager in both(64, full(16), window, enable_kv_cache_events=True):
+        seen = []
+        for request_id, tokens in (("a", range(100)), ("b", range(100)), ("c", range(70))):
+            req = request(request_id, tokens, 16)
+            hits, num_hit, _ = manager.get_computed_blocks(req)
+            manager.allocate_slots(req, req.num_tokens - num_hit, num_hit, hits)
+            seen.append((hits.get_block_ids(), num_hit, manager.get_block_ids(request_id)))
+            if request_id != "b":
+                manager.free(req)
+        events = [
+            (type(e).__name__, len(getattr(e, "block_hashes", ()))) for e in manager.take_events()
+        ]
+        results.append((seen, events))
+    assert results[0] == results[1]
+    (first, second, third), events = results[1]
+    assert second[:2] == (([1, 2, 3, 4, 5, 6], []), 96)
+    assert second[2][1][:4] == [0, 0, 0, 0]  # 96 computed: the window starts at 65
+    assert third[1] == 64 and events == [("BlockStored", 6)]

@@ -145,7 +145,10 @@ def _hit_count_fits(
     manager: SingleTypeKVCacheManager, num_blocks: int, num_new_computed_tokens: int
 ) -> bool:
     """Hit blocks must cover exactly the hit tokens; a Mamba group's may stop short (a KV
-    connector supplies the state at the hit, so its older cached state is not used)."""
+    connector supplies the state at the hit, so its older cached state is not used); a group
+    that never caches (a replayed window) has none: the other groups decide the hit."""
+    if not manager.kv_cache_spec.prefix_cacheable:
+        return num_blocks == 0
     num_needed = cdiv(num_new_computed_tokens, manager.block_size)
     if isinstance(manager, MambaManager):
         return num_blocks <= num_needed

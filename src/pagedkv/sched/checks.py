@@ -18,6 +18,20 @@ _RUNNING = RequestStatus.RUNNING
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
+def check_no_prefix_replay(manager: KVCacheManager) -> None:
+    """The reference scheduler does not replay: with prefix caching on, a group rebuilt by
+    bounded prefix replay (`ReplayedSlidingWindowSpec`) would get hits with no KV behind them."""
+    if not manager.enable_caching:
+        return
+    for group_id, group in enumerate(manager.kv_cache_config.kv_cache_groups):
+        if getattr(group.kv_cache_spec, "prefix_replay_tokens", 0):
+            raise ConfigError(
+                f"group {group_id} ({type(group.kv_cache_spec).__name__}) is rebuilt by "
+                "bounded prefix replay, which the reference scheduler does not do: use vLLM's "
+                "scheduler on the drop-in, or turn prefix caching off"
+            )
+
+
 def check_pool_holds_one_request(manager: KVCacheManager, max_model_len: int) -> None:
     """A request of `max_model_len` tokens must fit in an empty pool, or it could never run."""
     num_usable_blocks = manager.kv_cache_config.num_blocks - 1

@@ -21,7 +21,11 @@ from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.managers import FullAttentionManager
 from pagedkv.owner_thread import OwnerThread
 from pagedkv.request import Request, RequestStatus
-from pagedkv.sched.checks import check_pool_holds_one_request, check_scheduler_state
+from pagedkv.sched.checks import (
+    check_no_prefix_replay,
+    check_pool_holds_one_request,
+    check_scheduler_state,
+)
 from pagedkv.sched.config import SchedulerConfig
 from pagedkv.sched.output import ScheduledRequest, SchedulerOutput, StepRecord
 from pagedkv.sched.policy import FCFSPolicy, SchedulingPolicy
@@ -74,6 +78,7 @@ class Scheduler:
                 f"without chunked prefill, max_num_batched_tokens "
                 f"({config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})"
             )
+        check_no_prefix_replay(kv_cache_manager)
         check_pool_holds_one_request(kv_cache_manager, max_model_len)
         self.kv_cache_manager = kv_cache_manager
         self.config = config

@@ -31,6 +31,7 @@ from pagedkv.specs import (
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    ReplayedSlidingWindowSpec,
     SlidingWindowSpec,
 )
 
@@ -79,8 +80,12 @@ def translate_spec(spec: VllmKVCacheSpec) -> KVCacheSpec:
         # The scheduler's config carries one member spec per group; a uniform-type group
         # manages blocks exactly as its members do.
         return translate_spec(next(iter(spec.kv_cache_specs.values())))
-    if spec.prefix_replay_tokens:
-        raise ConfigError(f"pagedkv does not implement bounded prefix replay ({name})")
+    if spec.prefix_replay_tokens and not (
+        isinstance(spec, VllmSlidingWindowSpec) and spec.prefix_replay_tokens == spec.sliding_window
+    ):
+        raise ConfigError(
+            f"pagedkv implements bounded prefix replay for sliding windows only ({name})"
+        )
     translated: KVCacheSpec
     if isinstance(spec, VllmMambaSpec):
         # vLLM pairs shapes with dtypes (zip): a shape without a dtype takes no bytes. A flat
@@ -105,9 +110,10 @@ def translate_spec(spec: VllmKVCacheSpec) -> KVCacheSpec:
                 "pagedkv does not implement sliding-window extra_retained_tokens "
                 f"({spec.extra_retained_tokens}, multi-module MTP re-prefill)"
             )
-        translated = SlidingWindowSpec(
-            **_attention_fields(spec), sliding_window=spec.sliding_window
-        )
+        # Bounded replay (vLLM's SlidingWindowMLASpec(bounded_replay=True)): a window whose
+        # blocks are never cached; vLLM's scheduler recomputes it after a hit.
+        window_class = ReplayedSlidingWindowSpec if spec.prefix_replay_tokens else SlidingWindowSpec
+        translated = window_class(**_attention_fields(spec), sliding_window=spec.sliding_window)
     elif isinstance(spec, VllmChunkedLocalSpec):
         translated = ChunkedLocalAttentionSpec(
             **_attention_fields(spec), attention_chunk_size=spec.attention_chunk_size

@@ -94,6 +94,7 @@ class CoordinatorView:
         scheduler_block_size: int,
     ) -> None:
         self._coordinator = coordinator
+        self._vllm_specs = tuple(vllm_specs)
         self.scheduler_block_size = scheduler_block_size
         # vLLM's name: None caches densely, 0 keeps only the replay tails, N > 0 one per N.
         self.retention_interval = coordinator.kv_cache_config.prefix_cache_retention_interval
@@ -144,6 +145,20 @@ class CoordinatorView:
 # Named as the vLLM classes they stand for (vLLM's tests read `type(coordinator).__name__`).
 class HybridKVCacheCoordinator(CoordinatorView):
     """Stands for vLLM's `HybridKVCacheCoordinator`."""
+
+    @property
+    def attention_groups(self) -> list[vllm_coordinators.SpecGroup]:
+        """vLLM's lookup buckets (cacheable groups by spec, full attention first), from
+        pagedkv's `spec_buckets`, which are built by the same rule."""
+        return [
+            vllm_coordinators.SpecGroup(
+                self._vllm_specs[bucket.group_ids[0]],
+                list(bucket.group_ids),
+                type(self.single_type_managers[bucket.group_ids[0]]),
+                bucket.use_eagle,
+            )
+            for bucket in self._coordinator.spec_buckets
+        ]
 
     @property
     def _cache_hit_alignment_tokens(self) -> int:
