@@ -150,6 +150,8 @@ class HybridKVCacheCoordinator(CoordinatorView):
     def attention_groups(self) -> list[vllm_coordinators.SpecGroup]:
         """vLLM's lookup buckets (cacheable groups by spec, full attention first), from
         pagedkv's `spec_buckets`, which are built by the same rule."""
+        coordinator = self._coordinator
+        assert isinstance(coordinator, pagedkv_coordinators.HybridKVCacheCoordinator)
         return [
             vllm_coordinators.SpecGroup(
                 self._vllm_specs[bucket.group_ids[0]],
@@ -157,7 +159,7 @@ class HybridKVCacheCoordinator(CoordinatorView):
                 type(self.single_type_managers[bucket.group_ids[0]]),
                 bucket.use_eagle,
             )
-            for bucket in self._coordinator.spec_buckets
+            for bucket in coordinator.spec_buckets
         ]
 
     @property
