@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv import BlockStored, ConfigError, KVCacheConfig, KVCacheGroupSpec, KVCacheManager
+from pagedkv import (
+    BlockStored,
+    ConfigError,
+    InvalidArgumentError,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheManager,
+)
 from tests.support.hybrid import full, make_request, swa
 
 
@@ -27,9 +34,12 @@ def make_manager(retention: int | None, use_eagle: bool) -> KVCacheManager:
     )
 
 
-def run(retention: int | None, use_eagle: bool):
-    """Prefill 70 tokens at once, decode 12, free; return the manager, request and events."""
-    manager = make_manager(retention, use_eagle)
+def run(retention: int | None, use_eagle: bool, set_after: bool = False):
+    """Prefill 70 tokens at once, decode 12, free; return the manager, request and events.
+    `set_after`: build without an interval and set `retention` on the coordinator."""
+    manager = make_manager(None if set_after else retention, use_eagle)
+    if set_after:
+        manager.coordinator.set_retention_interval(retention)
     request = make_request("a", range(70), 4)
     assert manager.allocate_slots(request, 70).get_block_ids() == (
         [1, 2, 3, 4, 5],
@@ -117,3 +127,23 @@ def test_retention_interval_must_fit_the_model() -> None:
     with pytest.raises(ConfigError, match="no sliding-window or Mamba group"):
         KVCacheManager(KVCacheConfig(40, only_full, prefix_cache_retention_interval=32), 8192)
     KVCacheManager(KVCacheConfig(40, only_full, prefix_cache_retention_interval=0), 8192)
+
+
+@pytest.mark.parametrize(("retention", "use_eagle"), [(0, False), (32, True)])
+def test_an_interval_set_after_construction_acts_as_one_given_at_it(retention, use_eagle) -> None:
+    built = run(retention, use_eagle)
+    set_after = run(retention, use_eagle, set_after=True)
+    manager = set_after[0]
+    assert manager.coordinator.retention_interval == retention
+    assert all(m.retention_interval == retention for m in manager.coordinator.single_type_managers)
+    assert set_after[2:] == built[2:]  # the same events, prefill and decode
+    assert manager.block_pool.free_block_ids() == CASES[(retention, use_eagle)][1]
+
+
+@pytest.mark.parametrize("bad", [-1, 8, True, 1.5])
+def test_a_bad_interval_is_refused_and_changes_nothing(bad) -> None:
+    manager = make_manager(32, False)
+    with pytest.raises(InvalidArgumentError, match=f"got {bad!r}"):
+        manager.coordinator.set_retention_interval(bad)
+    assert manager.coordinator.retention_interval == 32
+    assert all(m.retention_interval == 32 for m in manager.coordinator.single_type_managers)

@@ -5,6 +5,7 @@ and finds the prefix hit valid in every group. `pagedkv.coordinators.make_coordi
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from math import lcm
 from typing import TYPE_CHECKING
 
 from pagedkv.block import BlockHash, KVCacheBlock
@@ -77,6 +78,9 @@ class KVCacheCoordinator:
         spec_decode: SpecDecodeConfig = NO_SPEC_DECODE,
     ) -> None:
         self.kv_cache_config = kv_cache_config
+        self.retention_interval = kv_cache_config.prefix_cache_retention_interval
+        """The sparse-retention interval in force (`set_retention_interval`); the config keeps
+        the one given at construction."""
         self.max_model_len = max_model_len
         self.hash_block_size = hash_block_size
         self.enable_caching = enable_caching
@@ -115,13 +119,40 @@ class KVCacheCoordinator:
                     f"group {group_id} is chunked local attention: EAGLE's last-block drop is "
                     "not supported there (as in the reference)"
                 )
-        # Sparse-retention managers with a retention interval keep the blocks at the positions
-        # a later request can resume at; without one their masks ignore those positions.
-        self.wants_replay_boundaries = any(
+        self.wants_replay_boundaries = self._wants_replay_boundaries()
+
+    def _wants_replay_boundaries(self) -> bool:
+        """Sparse-retention managers with a retention interval keep the blocks at the positions
+        a later request can resume at; without one their masks ignore those positions."""
+        return any(
             type(manager).reachable_block_mask is not SingleTypeKVCacheManager.reachable_block_mask
             and manager.retention_interval is not None
-            for manager in managers
+            for manager in self.single_type_managers
         )
+
+    def set_retention_interval(self, interval: int | None) -> None:
+        """Change the sparse-retention interval for what is cached and allocated from now on
+        (vLLM's tests set `coordinator.retention_interval` between requests). Blocks already
+        cached stay as they are. None caches densely; 0 keeps only the tails a hit can resume
+        at; N > 0 also one tail per N tokens (a multiple of the hit alignment)."""
+        # The construction check's unit: the scheduler block (the groups' block sizes' LCM).
+        alignment = lcm(
+            self.cache_alignment_tokens, *(m.block_size for m in self.single_type_managers)
+        )
+        if interval is not None and (
+            not isinstance(interval, int)
+            or isinstance(interval, bool)
+            or interval < 0
+            or interval % alignment
+        ):
+            raise InvalidArgumentError(
+                f"retention interval must be None, 0 or a positive multiple of {alignment}, "
+                f"got {interval!r}"
+            )
+        self.retention_interval = interval
+        for manager in self.single_type_managers:
+            manager.retention_interval = interval
+        self.wants_replay_boundaries = self._wants_replay_boundaries()
 
     def _make_managers(
         self, max_model_len: int, max_in_flight_tokens: int, alignment_tokens: int | None
@@ -160,7 +191,7 @@ class KVCacheCoordinator:
     ) -> int:
         """`prefill_end`: where the request's prefill ends; only with retention interval 0 do
         Mamba prefill checkpoints wait for the chunk reaching it (as in vLLM 0.33)."""
-        if self.kv_cache_config.prefix_cache_retention_interval != 0:
+        if self.retention_interval != 0:
             prefill_end = 0
         total = 0
         for group_id, manager in enumerate(self.single_type_managers):

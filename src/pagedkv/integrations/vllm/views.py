@@ -96,12 +96,20 @@ class CoordinatorView:
         self._coordinator = coordinator
         self._vllm_specs = tuple(vllm_specs)
         self.scheduler_block_size = scheduler_block_size
-        # vLLM's name: None caches densely, 0 keeps only the replay tails, N > 0 one per N.
-        self.retention_interval = coordinator.kv_cache_config.prefix_cache_retention_interval
         self.single_type_managers = tuple(
             manager_view(manager, spec)
             for manager, spec in zip(coordinator.single_type_managers, vllm_specs, strict=True)
         )
+
+    @property
+    def retention_interval(self) -> int | None:
+        """vLLM's name: None caches densely, 0 keeps only the replay tails, N > 0 one per N;
+        set, it reaches every group's manager (`set_retention_interval`)."""
+        return self._coordinator.retention_interval
+
+    @retention_interval.setter
+    def retention_interval(self, interval: int | None) -> None:
+        self._coordinator.set_retention_interval(interval)
 
     @staticmethod
     def for_coordinator(
