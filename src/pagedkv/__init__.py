@@ -26,6 +26,7 @@ from pagedkv.kv_cache_manager import ComputedBlocks, KVCacheBlocks, KVCacheManag
 from pagedkv.request import LoRARequest, MultiModalFeature, Request, RequestStatus
 from pagedkv.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
@@ -49,6 +50,7 @@ __all__ = [
     "BlockStored",
     "CachingMetrics",
     "ChunkedLocalAttentionSpec",
+    "CircularBufferSpec",
     "ComputedBlocks",
     "ConfigError",
     "CrossAttentionSpec",

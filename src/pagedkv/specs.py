@@ -36,6 +36,8 @@ class KVCacheSpec:
     kind: ClassVar[str] = "abstract"
     # Whether blocks of this spec may enter the prefix cache.
     prefix_cacheable: ClassVar[bool] = True
+    # Whether block i holds tokens [i * block_size, (i + 1) * block_size) (not a scratch ring).
+    covers_token_range: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         _check_positive(self, block_size=self.block_size)
@@ -172,6 +174,29 @@ class ReplayedSlidingWindowSpec(SlidingWindowSpec):
     @property
     def prefix_replay_tokens(self) -> int:
         return self.sliding_window
+
+
+@dataclass(frozen=True)
+class CircularBufferSpec(AttentionSpec):
+    """A ring of `block_size` rows, one block per request for its whole life (vLLM 0.33's
+    `CircularBufferSpec`: the raw keys of the token group a compressor is still compressing,
+    DeepSeek-V4's CSA and GLM-5's indexer tail). Scratch: never prefix-cached, no token range
+    (positions are never skipped, its block size is no part of the scheduler's block lattice)."""
+
+    kind: ClassVar[str] = "circular_buffer"
+    prefix_cacheable: ClassVar[bool] = False
+    covers_token_range: ClassVar[bool] = False
+
+    def max_admission_blocks(self, max_model_len: int, max_in_flight_tokens: int) -> int:
+        return 1
+
+    def max_memory_usage_bytes(
+        self,
+        max_model_len: int,
+        max_in_flight_tokens: int | None = None,
+        max_num_encoder_input_tokens: int = 0,
+    ) -> int:
+        return self.page_size_bytes
 
 
 @dataclass(frozen=True)

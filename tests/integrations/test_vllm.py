@@ -25,7 +25,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
-    CircularBufferSpec,
+    EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -311,9 +311,9 @@ def test_unsupported_layouts_are_refused_at_construction():
         group = KVCacheGroupSpec(["layer0"], spec)
         return KVCacheConfig(num_blocks=20, kv_cache_tensors=[], kv_cache_groups=[group])
 
-    circular = CircularBufferSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=DTYPE)
-    with pytest.raises(ConfigError, match="circular-buffer"):
-        PagedKVCacheManager(config(circular), 64, 4, 4)
+    encoder_only = EncoderOnlyAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=DTYPE)
+    with pytest.raises(ConfigError, match="encoder-only attention groups"):
+        PagedKVCacheManager(config(encoder_only), 64, 4, 4)
     with pytest.raises(ConfigError, match="dcp_world_size=2"):
         PagedKVCacheManager(config(full(4)), 64, 4, 4, dcp_world_size=2)
 

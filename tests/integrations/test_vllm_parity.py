@@ -23,6 +23,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     make_block_hash_with_group_id,
 )
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -291,3 +292,38 @@ def test_bounded_replay_windows_are_allocated_like_vllms():
     assert second[:2] == (([1, 2, 3, 4, 5, 6], []), 96)
     assert second[2][1][:4] == [0, 0, 0, 0]  # 96 computed: the window starts at 65
     assert third[1] == 64 and events == [("BlockStored", 6)]
+
+
+def test_circular_buffer_rings_are_allocated_like_vllms():
+    # A compressor's ring beside paged attention: one block per request, kept to the free.
+    # (vLLM asserts that the ring's capacity divides the scheduler block, as for any group.)
+    ring = CircularBufferSpec(block_size=8, num_kv_heads=1, head_size=8, dtype=DTYPE)
+    results = []
+    for cls in (VllmKVCacheManager, PagedKVCacheManager):
+        manager = cls(
+            config(40, (full(16), ring)),
+            max_model_len=8192,
+            scheduler_block_size=16,
+            hash_block_size=16,
+            enable_caching=True,
+            enable_kv_cache_events=True,
+        )
+        seen = []
+        for request_id, tokens in (("a", range(50)), ("b", range(50)), ("c", range(20))):
+            req = request(request_id, tokens, 16)
+            hits, num_hit, _ = manager.get_computed_blocks(req)
+            manager.allocate_slots(req, req.num_tokens - num_hit, num_hit, hits)
+            req.num_computed_tokens = req.num_tokens
+            req.append_output_token_ids(7)
+            manager.allocate_slots(req, 1)
+            seen.append((hits.get_block_ids(), num_hit, manager.get_block_ids(request_id)))
+            if request_id != "b":
+                manager.free(req)
+        events = [
+            (type(e).__name__, len(getattr(e, "block_hashes", ()))) for e in manager.take_events()
+        ]
+        free_ids = [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
+        results.append((seen, events, free_ids))
+    assert results[0] == results[1]
+    (first, second, _), _, _ = results[1]
+    assert second[:2] == (([1, 2, 3], []), 48) and len(second[2][1]) == 1

@@ -137,7 +137,12 @@ class KVCacheCoordinator:
         at; N > 0 also one tail per N tokens (a multiple of the hit alignment)."""
         # The construction check's unit: the scheduler block (the groups' block sizes' LCM).
         alignment = lcm(
-            self.cache_alignment_tokens, *(m.block_size for m in self.single_type_managers)
+            self.cache_alignment_tokens,
+            *(
+                m.block_size
+                for m in self.single_type_managers
+                if m.kv_cache_spec.covers_token_range
+            ),
         )
         if interval is not None and (
             not isinstance(interval, int)

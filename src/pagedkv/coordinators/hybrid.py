@@ -74,7 +74,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                         f"group {group_id}'s block size {spec.block_size} is not a multiple of "
                         f"hash_block_size {hash_block_size}"
                     )
-        group_lcm = lcm(*(g.kv_cache_spec.block_size for g in groups))
+        group_lcm = lcm(
+            *(g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.covers_token_range)
+        )
         if scheduler_block_size is not None and scheduler_block_size % group_lcm:
             raise ConfigError(
                 f"scheduler_block_size {scheduler_block_size} is not a multiple of the group "

@@ -66,7 +66,10 @@ def check_manager_config(
                 "(only 1 is supported)"
             )
     groups = kv_cache_config.kv_cache_groups
-    block_sizes = [g.kv_cache_spec.block_size for g in groups]
+    # A scratch ring's block size (its capacity) is no part of the token lattice.
+    lattice = [(i, g.kv_cache_spec.block_size) for i, g in enumerate(groups)
+               if g.kv_cache_spec.covers_token_range]  # fmt: skip
+    block_sizes = [block_size for _, block_size in lattice]
     if scheduler_block_size is None:
         scheduler_block_size = lcm(*block_sizes) if block_sizes else 1
     if hash_block_size is None:
@@ -78,7 +81,7 @@ def check_manager_config(
             f"scheduler_block_size {scheduler_block_size} is not a multiple of "
             f"hash_block_size {hash_block_size}"
         )
-    for group_id, block_size in enumerate(block_sizes):
+    for group_id, block_size in lattice:
         if scheduler_block_size % block_size:
             raise ConfigError(
                 f"group {group_id}'s block size {block_size} does not divide "

@@ -9,12 +9,14 @@ from __future__ import annotations
 from pagedkv.errors import ConfigError
 from pagedkv.managers.base import SingleTypeKVCacheManager
 from pagedkv.managers.chunked_local import ChunkedLocalAttentionManager
+from pagedkv.managers.circular_buffer import CircularBufferManager
 from pagedkv.managers.cross_attention import CrossAttentionManager
 from pagedkv.managers.full_attention import FullAttentionManager
 from pagedkv.managers.mamba import MambaAlignManager, MambaManager, MambaNoCacheManager
 from pagedkv.managers.sliding_window import SlidingWindowManager
 from pagedkv.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
@@ -28,6 +30,7 @@ _SPEC_TO_MANAGER: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
     MambaSpec: MambaManager,
     CrossAttentionSpec: CrossAttentionManager,
+    CircularBufferSpec: CircularBufferManager,
 }
 
 
@@ -58,6 +61,7 @@ def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
 
 __all__ = [
     "ChunkedLocalAttentionManager",
+    "CircularBufferManager",
     "CrossAttentionManager",
     "FullAttentionManager",
     "MambaAlignManager",

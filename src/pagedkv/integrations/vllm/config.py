@@ -12,6 +12,7 @@ from vllm.v1.core.kv_cache_coordinator import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec as VllmChunkedLocalSpec
+from vllm.v1.kv_cache_interface import CircularBufferSpec as VllmCircularBufferSpec
 from vllm.v1.kv_cache_interface import CrossAttentionSpec as VllmCrossAttentionSpec
 from vllm.v1.kv_cache_interface import FullAttentionSpec as VllmFullAttentionSpec
 from vllm.v1.kv_cache_interface import KVCacheConfig as VllmKVCacheConfig
@@ -24,6 +25,7 @@ from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 from pagedkv.errors import ConfigError
 from pagedkv.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
@@ -38,7 +40,6 @@ from pagedkv.specs import (
 # vLLM specs whose manager pagedkv does not implement, with the reason given to the user.
 _UNSUPPORTED_NAMES = {
     "RSWASpec": "R-SWA (gap eviction between prompt and decode window)",
-    "CircularBufferSpec": "circular-buffer scratch groups",
     "HiSparseHotSpec": "HiSparse host-tier groups",
     "HiSparseResidentSpec": "HiSparse host-tier groups",
     "EncoderOnlyAttentionSpec": "encoder-only attention groups",
@@ -114,6 +115,8 @@ def translate_spec(spec: VllmKVCacheSpec) -> KVCacheSpec:
         # blocks are never cached; vLLM's scheduler recomputes it after a hit.
         window_class = ReplayedSlidingWindowSpec if spec.prefix_replay_tokens else SlidingWindowSpec
         translated = window_class(**_attention_fields(spec), sliding_window=spec.sliding_window)
+    elif isinstance(spec, VllmCircularBufferSpec):
+        translated = CircularBufferSpec(**_attention_fields(spec))
     elif isinstance(spec, VllmChunkedLocalSpec):
         translated = ChunkedLocalAttentionSpec(
             **_attention_fields(spec), attention_chunk_size=spec.attention_chunk_size
