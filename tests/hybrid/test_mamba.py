@@ -199,3 +199,30 @@ def test_zeroing_records_new_attention_blocks() -> None:
     assert manager.take_new_block_ids() == [13]
     manager.record_blocks_for_zeroing("a", 8)  # a failed load left them unwritten
     assert manager.take_new_block_ids() == [4, 5, 6]
+
+
+def test_boundary_state_offers_only_when_asked_for_and_for_one_step() -> None:
+    manager = make_manager(12, mamba(4))
+    state = manager.coordinator.single_type_managers[0]
+    assert isinstance(state, MambaAlignManager) and not state.record_boundary_state_offloads
+    a = make_request("a", range(12), 4)
+    allocate(manager, a, 8)
+    assert state.take_pending_boundary_state_offloads() == []  # not recorded unless asked
+    state.record_boundary_state_offloads = True
+    a.num_computed_tokens = 8
+    manager.new_step_starts()
+    allocate(manager, a, 4)  # the state after 12 tokens, in block 2
+    offers = state.take_pending_boundary_state_offloads()
+    assert [(r, g, b.block_id, n) for r, g, b, n in offers] == [("a", 0, 2, 12)]
+    assert state.take_pending_boundary_state_offloads() == []  # drained
+    b = make_request("b", range(20, 28), 4)
+    allocate(manager, b, 8)
+    assert len(state._pending_boundary_state_offloads) == 1  # noqa: SLF001 - offered...
+    manager.new_step_starts()  # ...but not taken within its step: dropped
+    assert state.take_pending_boundary_state_offloads() == []
+    c = make_request("c", range(40, 48), 4)
+    allocate(manager, c, 8)
+    assert len(state._pending_boundary_state_offloads) == 1  # noqa: SLF001
+    manager.free(c)  # withdrawn with the request's blocks
+    assert state.take_pending_boundary_state_offloads() == []
+    manager.check_invariants()

@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
@@ -327,3 +328,27 @@ def test_circular_buffer_rings_are_allocated_like_vllms():
     assert results[0] == results[1]
     (first, second, _), _, _ = results[1]
     assert second[:2] == (([1, 2, 3], []), 48) and len(second[2][1]) == 1
+
+
+def test_mamba_boundary_state_offers_are_vllms():
+    # Mamba "align" states a connector may offload: every state block a step caches, with its
+    # boundary; withdrawn when the request is freed before they are taken.
+    state = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(DTYPE,), mamba_cache_mode="align")
+    offers = []
+    for manager in both(40, full(16), state):
+        seen = []
+        req = request("a", range(70), 16)
+        for start, end in ((0, 32), (32, 64), (64, 70)):  # chunks ending on block boundaries
+            manager.new_step_starts()
+            manager.allocate_slots(req, end - start)
+            req.num_computed_tokens = end
+            seen.append(manager.take_boundary_state_offloads())
+        other = request("b", range(100, 148), 16)
+        manager.new_step_starts()
+        manager.allocate_slots(other, 48)
+        manager.free(other)  # its offers go with its blocks
+        seen.append(manager.take_boundary_state_offloads())
+        offers.append(seen)
+    assert offers[0] == offers[1]
+    boundaries = [[b for _, _, b in step.get("a", [])] for step in offers[1][:3]]
+    assert boundaries == [[32], [64], []] and offers[1][3] == {}

@@ -165,8 +165,13 @@ class MambaAlignManager(MambaManager):
     restricts checkpoints to the chunk reaching it. pagedkv's hits are scheduler-block aligned,
     so the boundary is always a block boundary.
 
-    Not implemented: sub-block (partial) hits and their copy-on-write, boundary-state
-    hand-offs to a KV connector.
+    Boundary-state hand-offs (vLLM 0.33's, for a KV connector that offloads Mamba states):
+    with `record_boundary_state_offloads` on (the vLLM drop-in sets it), every state block
+    `cache_blocks` newly caches is offered as `(request_id, group_id, block, boundary_tokens)`
+    until `take_pending_boundary_state_offloads` drains it; freeing a request withdraws its
+    offers (its blocks go back to the pool), and a new step drops what was not taken.
+
+    Not implemented: sub-block (partial) hits and their copy-on-write.
     """
 
     def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
@@ -185,6 +190,8 @@ class MambaAlignManager(MambaManager):
         self.drop_eagle_checkpoint_block = False
         # Request -> (checkpoint position, column) reserved by the current allocation.
         self._checkpoints: dict[str, tuple[int, int]] = {}
+        self.record_boundary_state_offloads = False
+        self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
 
     def _needs_internal_checkpoint(
         self, request_id: str, query_start: int, query_end: int, position: int, prefill_end: int
@@ -361,9 +368,39 @@ class MambaAlignManager(MambaManager):
         num_after = self.num_cached_block.get(request_id, 0)
         if num_after > num_before:
             null_block = self._null_block
-            for block in self.req_to_blocks[request_id][num_before:num_after]:
+            offers = (
+                self._pending_boundary_state_offloads
+                if self.record_boundary_state_offloads
+                else None
+            )
+            blocks = self.req_to_blocks[request_id]
+            for index in range(num_before, num_after):
+                block = blocks[index]
                 if block is not null_block and block.block_hash is not None:
                     self.cached_hashes_this_step.add(block.block_hash)
+                    if offers is not None:
+                        # Position index holds the state after its block's last token.
+                        offers.append(
+                            (
+                                request_id,
+                                self.kv_cache_group_id,
+                                block,
+                                (index + 1) * self.block_size,
+                            )
+                        )
+
+    def take_pending_boundary_state_offloads(self) -> list[tuple[str, int, KVCacheBlock, int]]:
+        """Drain the boundary states offered since the last call, oldest first."""
+        pending = self._pending_boundary_state_offloads
+        self._pending_boundary_state_offloads = []
+        return pending
+
+    def _withdraw_offers(self, request_id: str) -> None:
+        # The request's blocks go back to the pool: a connector must not claim them.
+        if self._pending_boundary_state_offloads:
+            self._pending_boundary_state_offloads = [
+                offer for offer in self._pending_boundary_state_offloads if offer[0] != request_id
+            ]
 
     def _cache_checkpoint(self, request: Request, position: int, column: int) -> None:
         """Register the checkpoint block at `position`, or evict it if it is transient."""
@@ -431,6 +468,7 @@ class MambaAlignManager(MambaManager):
         return mask
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        self._withdraw_offers(request_id)
         self._checkpoints.pop(request_id, None)
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
@@ -438,6 +476,7 @@ class MambaAlignManager(MambaManager):
         return super().pop_blocks_for_free(request_id)
 
     def free(self, request_id: str) -> None:
+        self._withdraw_offers(request_id)
         self._checkpoints.pop(request_id, None)
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
@@ -446,3 +485,4 @@ class MambaAlignManager(MambaManager):
 
     def new_step_starts(self) -> None:
         self.cached_hashes_this_step.clear()
+        self._pending_boundary_state_offloads.clear()  # offers hold for the step that made them

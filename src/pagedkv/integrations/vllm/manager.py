@@ -40,6 +40,7 @@ from pagedkv.integrations.vllm.requests import (
 from pagedkv.integrations.vllm.views import BlockPoolView, CoordinatorView
 from pagedkv.kv_cache_blocks import ComputedBlocks, KVCacheBlocks
 from pagedkv.kv_cache_manager import KVCacheManager
+from pagedkv.managers import MambaAlignManager
 from pagedkv.request import Request as PagedKVRequest
 from pagedkv.request import RequestStatus
 
@@ -129,6 +130,14 @@ class PagedKVCacheManager:
         # vLLM adopts any free block of the pool a caller names as a hit (uncached ones too);
         # pagedkv's core refuses those unless told (lead decision, issue 23).
         self.core.accept_uncached_free_hits(True)
+        # vLLM's scheduler drains the Mamba boundary-state offers every step.
+        self._offering_managers = [
+            manager
+            for manager in self.core.coordinator.single_type_managers
+            if isinstance(manager, MambaAlignManager)
+        ]
+        for manager in self._offering_managers:
+            manager.record_boundary_state_offloads = True
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -430,8 +439,20 @@ class PagedKVCacheManager:
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """No Mamba boundary-state hand-offs (a connector feature pagedkv does not implement)."""
-        return {}
+        """This step's Mamba "align" boundary states for a KV connector, as vLLM's:
+        `{request_id: [(group_id, block_id, boundary_tokens), ...]}` (empty otherwise)."""
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        for manager in self._offering_managers:
+            for (
+                request_id,
+                group_id,
+                block,
+                boundary_tokens,
+            ) in manager.take_pending_boundary_state_offloads():
+                offloads.setdefault(request_id, []).append(
+                    (group_id, block.block_id, boundary_tokens)
+                )
+        return offloads
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
         return []
