@@ -39,7 +39,11 @@ def run(retention: int | None, use_eagle: bool, set_after: bool = False):
     `set_after`: build without an interval and set `retention` on the coordinator."""
     manager = make_manager(None if set_after else retention, use_eagle)
     if set_after:
-        manager.coordinator.set_retention_interval(retention)
+        # No interval and no EAGLE: the running requests' fast path.
+        assert (manager._running_allocator is not None) == (not use_eagle)  # noqa: SLF001
+        manager.set_retention_interval(retention)
+        # Replay boundaries (an interval) are the general path's: the fast path is re-picked.
+        assert manager._running_allocator is None  # noqa: SLF001
     request = make_request("a", range(70), 4)
     assert manager.allocate_slots(request, 70).get_block_ids() == (
         [1, 2, 3, 4, 5],
@@ -144,6 +148,6 @@ def test_an_interval_set_after_construction_acts_as_one_given_at_it(retention, u
 def test_a_bad_interval_is_refused_and_changes_nothing(bad) -> None:
     manager = make_manager(32, False)
     with pytest.raises(InvalidArgumentError, match=f"got {bad!r}"):
-        manager.coordinator.set_retention_interval(bad)
+        manager.set_retention_interval(bad)
     assert manager.coordinator.retention_interval == 32
     assert all(m.retention_interval == 32 for m in manager.coordinator.single_type_managers)

@@ -132,7 +132,8 @@ class KVCacheCoordinator:
 
     def set_retention_interval(self, interval: int | None) -> None:
         """Change the sparse-retention interval for what is cached and allocated from now on
-        (vLLM's tests set `coordinator.retention_interval` between requests). Blocks already
+        (vLLM's tests set `coordinator.retention_interval` between requests); through
+        `KVCacheManager.set_retention_interval`, which also re-picks its fast path. Blocks already
         cached stay as they are. None caches densely; 0 keeps only the tails a hit can resume
         at; N > 0 also one tail per N tokens (a multiple of the hit alignment)."""
         # The construction check's unit: the scheduler block (the groups' block sizes' LCM).

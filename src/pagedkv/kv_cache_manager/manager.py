@@ -162,6 +162,16 @@ class KVCacheManager:
             self.coordinator, self.empty_kv_cache_blocks
         )
 
+    def set_retention_interval(self, interval: int | None) -> None:
+        """Change the sparse-retention interval for what is cached from now on (see
+        `KVCacheCoordinator.set_retention_interval`; a refused value changes nothing). The
+        running requests' fast path is chosen again: an interval can rule it out."""
+        self.owner_thread.check("KVCacheManager.set_retention_interval")
+        self.coordinator.set_retention_interval(interval)
+        self._running_allocator = make_running_allocator(
+            self.coordinator, self.empty_kv_cache_blocks
+        )
+
     def accept_uncached_free_hits(self, accept: bool) -> None:
         """Whether `allocate_slots` takes uncached free blocks of this pool as hit blocks.
 

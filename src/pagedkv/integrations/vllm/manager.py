@@ -171,7 +171,13 @@ class PagedKVCacheManager:
         # (both live as long as the core; the map is updated in place).
         self._running_allocator = self.core._running_allocator
         self._live_requests = self.core._requests
+        # `coordinator.retention_interval = N` (vLLM's tests) goes through the core manager.
+        self.coordinator.set_retention_interval = self._set_retention_interval  # type: ignore[method-assign]
         self._is_mamba = tuple(isinstance(group.kv_cache_spec, MambaSpec) for group in groups)
+
+    def _set_retention_interval(self, interval: int | None) -> None:
+        self.core.set_retention_interval(interval)
+        self._running_allocator = self.core._running_allocator
 
     # ------------------------------------------------------------------ reading
 

@@ -110,6 +110,10 @@ class CoordinatorView:
 
     @retention_interval.setter
     def retention_interval(self, interval: int | None) -> None:
+        self.set_retention_interval(interval)
+
+    def set_retention_interval(self, interval: int | None) -> None:
+        """Replaced by the drop-in with its manager's (which also re-picks the fast path)."""
         self._coordinator.set_retention_interval(interval)
 
     @staticmethod
