@@ -35,6 +35,7 @@ from pagedkv.specs import (
     MambaSpec,
     MLAAttentionSpec,
     ReplayedSlidingWindowSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 from pagedkv.stats import CachingMetrics, PrefixCacheStats
@@ -79,6 +80,7 @@ __all__ = [
     "RequestStatus",
     "RequestStateError",
     "ReplayedSlidingWindowSpec",
+    "RSWASpec",
     "SlidingWindowSpec",
     "UnknownHashAlgorithmError",
     "make_request_block_hasher",

@@ -125,6 +125,22 @@ class FullAttentionSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class RSWASpec(FullAttentionSpec):
+    """Reference sliding-window attention (R-SWA, vLLM 0.33): the prompt's tokens stay visible
+    to every later token, generated tokens only within the last `rswa_window`. The blocks
+    between the prompt's last block and the decode window (the gap) are freed as the window
+    moves, so a request holds O(prompt + window) blocks; the prompt is prefix-cached as full
+    attention. Sized as full attention (a request may end before any gap opens)."""
+
+    rswa_window: int = field(default=0, kw_only=True)
+    kind: ClassVar[str] = "full_attention"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, rswa_window=self.rswa_window)
+
+
+@dataclass(frozen=True)
 class MLAAttentionSpec(FullAttentionSpec):
     """Multi-head latent attention (DeepSeek-V2/V3): one latent vector a token, no separate V."""
 

@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
@@ -352,3 +353,30 @@ def test_mamba_boundary_state_offers_are_vllms():
     assert offers[0] == offers[1]
     boundaries = [[b for _, _, b in step.get("a", [])] for step in offers[1][:3]]
     assert boundaries == [[32], [64], []] and offers[1][3] == {}
+
+
+def test_rswa_gaps_are_freed_like_vllms():
+    # R-SWA: the prompt stays, generated tokens only within the window; the gap between is
+    # freed as decoding goes on. Tables, freed order and a later hit match vLLM's call for call.
+    spec = RSWASpec(block_size=4, num_kv_heads=1, head_size=8, dtype=DTYPE, rswa_window=8)
+    results = []
+    for manager in both(40, spec):
+        req = request("a", range(10), 4)
+        manager.allocate_slots(req, 10)
+        req.num_computed_tokens = 10
+        tables = []
+        for token in range(30):
+            req.append_output_token_ids(1000 + token)
+            manager.allocate_slots(req, 1)
+            req.num_computed_tokens += 1
+            tables.append(manager.get_block_ids("a")[0])
+        free_ids = [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
+        manager.free(req)
+        again = request("b", range(10), 4)
+        hits, num_hit, _ = manager.get_computed_blocks(again)
+        results.append((tables, free_ids, hits.get_block_ids(), num_hit))
+    assert results[0] == results[1]
+    tables = results[1][0]
+    # 40 tokens: the prompt's 3 blocks, the gap nulled up to the window, the window's blocks.
+    assert tables[-1][:3] == [1, 2, 3] and 0 in tables[-1]
+    assert results[1][2:] == (([1, 2],), 8)

@@ -298,9 +298,12 @@ class KVCacheCoordinator:
             blocks.extend(manager.pop_blocks_for_free(request_id))
         return blocks
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Free what no group needs any more; `num_prompt_tokens` lets R-SWA free its gap."""
         for manager in self.single_type_managers:
-            manager.remove_skipped_blocks(request_id, num_computed_tokens)
+            manager.remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
 
     # ------------------------------------------------------------------ reading
 

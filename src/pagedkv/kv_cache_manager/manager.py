@@ -330,7 +330,9 @@ class KVCacheManager:
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, max_model_len)
         # Free blocks that fell out of the attention window, on the processed-token basis.
         coordinator.remove_skipped_blocks(
-            request_id, max(0, total_computed - request.num_in_flight_tokens)
+            request_id,
+            max(0, total_computed - request.num_in_flight_tokens),
+            request.num_prompt_tokens,
         )
         num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
             request_id,
@@ -482,10 +484,21 @@ class KVCacheManager:
             return []  # another live request owns this id (as in `free`)
         return self.coordinator.pop_blocks_for_free(request.request_id)
 
-    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Free the request's blocks no group needs once `processed_computed_tokens` are done
+        (outside a window); `num_prompt_tokens` lets an R-SWA group free its gap."""
         check_count("processed_computed_tokens", processed_computed_tokens)
+        if num_prompt_tokens is not None:
+            check_count("num_prompt_tokens", num_prompt_tokens)
         self.owner_thread.check("KVCacheManager.remove_skipped_blocks")
-        self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
+        self.coordinator.remove_skipped_blocks(
+            request_id, processed_computed_tokens, num_prompt_tokens
+        )
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """Record the request's blocks from `start_token` on for zeroing again (after a failed

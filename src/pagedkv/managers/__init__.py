@@ -13,6 +13,7 @@ from pagedkv.managers.circular_buffer import CircularBufferManager
 from pagedkv.managers.cross_attention import CrossAttentionManager
 from pagedkv.managers.full_attention import FullAttentionManager
 from pagedkv.managers.mamba import MambaAlignManager, MambaManager, MambaNoCacheManager
+from pagedkv.managers.rswa import RSWAManager
 from pagedkv.managers.sliding_window import SlidingWindowManager
 from pagedkv.specs import (
     ChunkedLocalAttentionSpec,
@@ -21,11 +22,13 @@ from pagedkv.specs import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 
 _SPEC_TO_MANAGER: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,  # MLAAttentionSpec inherits this entry
+    RSWASpec: RSWAManager,
     SlidingWindowSpec: SlidingWindowManager,
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
     MambaSpec: MambaManager,
@@ -67,6 +70,7 @@ __all__ = [
     "MambaAlignManager",
     "MambaManager",
     "MambaNoCacheManager",
+    "RSWAManager",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "manager_class_for",

@@ -247,8 +247,13 @@ class SingleTypeKVCacheManager:
         self.num_cached_block.pop(request_id, None)
         return self.req_to_blocks.pop(request_id, [])
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Replace no longer needed blocks by the null block; free them, longest prefix first."""
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Replace no longer needed blocks by the null block; free them, longest prefix first.
+
+        `num_prompt_tokens` is for managers that free a middle range (R-SWA's gap); the
+        others skip a leading range and ignore it."""
         num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
         if num_skipped_tokens <= 0:
             return

@@ -88,5 +88,7 @@ class CircularBufferManager(SingleTypeKVCacheManager):
     ) -> None:
         """Scratch: never cached."""
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
         """The ring is held whole until the request is freed."""

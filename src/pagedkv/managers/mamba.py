@@ -321,7 +321,9 @@ class MambaAlignManager(MambaManager):
         returned.extend(new_blocks)
         return returned
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
         """Free every real block before the last computed token, and the previous state.
 
         Freed in reverse (the longer prefix first, so it is evicted first); positions below

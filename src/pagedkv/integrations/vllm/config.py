@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig as VllmKVCacheConfig
 from vllm.v1.kv_cache_interface import KVCacheSpec as VllmKVCacheSpec
 from vllm.v1.kv_cache_interface import MambaSpec as VllmMambaSpec
 from vllm.v1.kv_cache_interface import MLAAttentionSpec as VllmMLASpec
+from vllm.v1.kv_cache_interface import RSWASpec as VllmRSWASpec
 from vllm.v1.kv_cache_interface import SlidingWindowSpec as VllmSlidingWindowSpec
 from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
@@ -34,12 +35,12 @@ from pagedkv.specs import (
     MambaSpec,
     MLAAttentionSpec,
     ReplayedSlidingWindowSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 
 # vLLM specs whose manager pagedkv does not implement, with the reason given to the user.
 _UNSUPPORTED_NAMES = {
-    "RSWASpec": "R-SWA (gap eviction between prompt and decode window)",
     "HiSparseHotSpec": "HiSparse host-tier groups",
     "HiSparseResidentSpec": "HiSparse host-tier groups",
     "EncoderOnlyAttentionSpec": "encoder-only attention groups",
@@ -123,6 +124,13 @@ def translate_spec(spec: VllmKVCacheSpec) -> KVCacheSpec:
         )
     elif isinstance(spec, VllmCrossAttentionSpec):
         translated = CrossAttentionSpec(**_attention_fields(spec))
+    elif isinstance(spec, VllmRSWASpec):
+        translated = RSWASpec(
+            **_attention_fields(spec),
+            sliding_window=spec.sliding_window,
+            attention_chunk_size=spec.attention_chunk_size,
+            rswa_window=spec.rswa_window,
+        )
     elif isinstance(spec, VllmMLASpec):
         fields = _attention_fields(spec)
         del fields["head_size_v"]

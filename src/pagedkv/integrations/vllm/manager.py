@@ -393,7 +393,7 @@ class PagedKVCacheManager:
         processed_computed_tokens: int,
         num_prompt_tokens: int | None = None,
     ) -> None:
-        self.core.remove_skipped_blocks(request_id, processed_computed_tokens)
+        self.core.remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         self.core.evict_blocks(block_ids)

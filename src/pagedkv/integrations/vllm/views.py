@@ -61,6 +61,7 @@ def _view_class(vllm_class: type) -> type[ManagerView]:
 # pagedkv manager class -> view class; subclasses first (the lookup walks this order).
 _MANAGER_VIEWS: tuple[tuple[type, type[ManagerView]], ...] = (
     (pagedkv_managers.CircularBufferManager, _view_class(vllm_stm.CircularBufferManager)),
+    (pagedkv_managers.RSWAManager, _view_class(vllm_stm.RSWAManager)),
     (pagedkv_managers.FullAttentionManager, _view_class(vllm_stm.FullAttentionManager)),
     (pagedkv_managers.SlidingWindowManager, _view_class(vllm_stm.SlidingWindowManager)),
     (
