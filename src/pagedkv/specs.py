@@ -156,15 +156,27 @@ class SlidingWindowSpec(AttentionSpec):
     """Sliding-window attention: a token attends to the previous `sliding_window` tokens."""
 
     sliding_window: int
+    # Tokens kept (not attended) below the window: multi-module MTP re-prefills the last
+    # `num_prefill_lookahead - 1` tokens, so their blocks are freed that much later (vLLM 0.33).
+    extra_retained_tokens: int = field(default=0, kw_only=True)
     kind: ClassVar[str] = "sliding_window"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_positive(self, sliding_window=self.sliding_window)
+        retained = self.extra_retained_tokens
+        if not isinstance(retained, int) or isinstance(retained, bool) or retained < 0:
+            raise ConfigError(
+                f"{type(self).__name__}: extra_retained_tokens must be an int >= 0, "
+                f"got {retained!r}"
+            )
 
     def max_admission_blocks(self, max_model_len: int, max_in_flight_tokens: int) -> int:
         # +1: the window may straddle a block boundary.
-        needed_tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+        needed_tokens = min(
+            self.sliding_window - 1 + self.extra_retained_tokens + max_in_flight_tokens,
+            max_model_len,
+        )
         return cdiv(needed_tokens, self.block_size) + 1
 
     def max_memory_usage_bytes(

@@ -3,7 +3,9 @@ larger than a block, early frees on the processed-token basis, the admission cap
 
 from __future__ import annotations
 
-from pagedkv import BlockPool
+import pytest
+
+from pagedkv import BlockPool, ConfigError, SlidingWindowSpec
 from pagedkv.managers import SlidingWindowManager
 from tests.support.hybrid import admit, full, ids, make_manager, make_request, swa
 
@@ -132,3 +134,19 @@ def test_admission_cap_limits_the_full_sequence_check() -> None:
     # Full attention has no cap: the same check wants all 50 blocks.
     uncapped = make_manager(8, full(4), max_model_len=1024, max_in_flight_tokens=16)
     assert uncapped.allocate_slots(request, 16, full_sequence_must_fit=True) is None
+
+
+def test_extra_retained_tokens_delay_the_frees_and_raise_the_cap() -> None:
+    retained = SlidingWindowSpec(4, 1, 8, 2, sliding_window=8, extra_retained_tokens=5)
+    pool = BlockPool(8, hash_block_size=4)
+    manager = SlidingWindowManager(retained, pool, 0)
+    plain = SlidingWindowManager(swa(4, 8), pool, 0)
+    assert [manager.get_num_skipped_tokens(n) for n in (0, 12, 13, 29)] == [0, 0, 1, 17]
+    assert [plain.get_num_skipped_tokens(n) for n in (0, 12, 13, 29)] == [0, 5, 6, 22]
+    # Admission holds the window, the retained tokens and the in-flight ones, +1 for alignment.
+    assert (
+        retained.max_admission_blocks(8192, 16) == 8
+        and swa(4, 8).max_admission_blocks(8192, 16) == 7
+    )
+    with pytest.raises(ConfigError, match="extra_retained_tokens must be an int >= 0, got -1"):
+        SlidingWindowSpec(4, 1, 8, 2, sliding_window=8, extra_retained_tokens=-1)

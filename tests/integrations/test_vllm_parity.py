@@ -380,3 +380,28 @@ def test_rswa_gaps_are_freed_like_vllms():
     # 40 tokens: the prompt's 3 blocks, the gap nulled up to the window, the window's blocks.
     assert tables[-1][:3] == [1, 2, 3] and 0 in tables[-1]
     assert results[1][2:] == (([1, 2],), 8)
+
+
+def test_extra_retained_window_tokens_are_freed_like_vllms():
+    # Multi-module MTP re-prefills the last tokens: a window keeps extra_retained_tokens more
+    # below it. Same tables, free order and admission count as vLLM's manager.
+    window = SlidingWindowSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype=DTYPE, sliding_window=8,
+        extra_retained_tokens=5,
+    )  # fmt: skip
+    results = []
+    for manager in both(40, full(4), window):
+        req = request("a", range(10), 4)
+        manager.allocate_slots(req, 10)
+        req.num_computed_tokens = 10
+        tables = []
+        for token in range(20):
+            req.append_output_token_ids(1000 + token)
+            manager.allocate_slots(req, 1)
+            req.num_computed_tokens += 1
+            tables.append(manager.get_block_ids("a")[1])
+        free_ids = [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
+        results.append((tables, free_ids))
+    assert results[0] == results[1]
+    # 29 processed: 17 tokens skipped (22 without the 5 retained), so 4 blocks are null, not 5.
+    assert results[1][0][-1][:4] == [0, 0, 0, 0] and results[1][0][-1][4] != 0

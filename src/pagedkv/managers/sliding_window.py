@@ -29,11 +29,15 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
-        self.sliding_window = cast(SlidingWindowSpec, kv_cache_spec).sliding_window
+        spec = cast(SlidingWindowSpec, kv_cache_spec)
+        self.sliding_window = spec.sliding_window
+        # Hot path: the window's trailing edge, extended by the retained tokens, in one number.
+        self._window_edge = spec.sliding_window - 1 + spec.extra_retained_tokens
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Tokens before the window of the next token: `n - sliding_window + 1` (sw=4, n=7 → 4)."""
-        return max(0, num_computed_tokens - self.sliding_window + 1)
+        """Tokens before the window of the next token: `n - sliding_window + 1` (sw=4, n=7 → 4),
+        less the spec's `extra_retained_tokens`."""
+        return max(0, num_computed_tokens - self._window_edge)
 
     @staticmethod
     def num_contiguous_blocks_needed(sliding_window: int, block_size: int) -> int:

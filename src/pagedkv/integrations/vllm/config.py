@@ -107,15 +107,14 @@ def translate_spec(spec: VllmKVCacheSpec) -> KVCacheSpec:
             # same sum with the flat entry as a one-dimensional shape.
             return translated
     elif isinstance(spec, VllmSlidingWindowSpec):
-        if spec.extra_retained_tokens:
-            raise ConfigError(
-                "pagedkv does not implement sliding-window extra_retained_tokens "
-                f"({spec.extra_retained_tokens}, multi-module MTP re-prefill)"
-            )
         # Bounded replay (vLLM's SlidingWindowMLASpec(bounded_replay=True)): a window whose
         # blocks are never cached; vLLM's scheduler recomputes it after a hit.
         window_class = ReplayedSlidingWindowSpec if spec.prefix_replay_tokens else SlidingWindowSpec
-        translated = window_class(**_attention_fields(spec), sliding_window=spec.sliding_window)
+        translated = window_class(
+            **_attention_fields(spec),
+            sliding_window=spec.sliding_window,
+            extra_retained_tokens=spec.extra_retained_tokens,
+        )
     elif isinstance(spec, VllmCircularBufferSpec):
         translated = CircularBufferSpec(**_attention_fields(spec))
     elif isinstance(spec, VllmChunkedLocalSpec):
