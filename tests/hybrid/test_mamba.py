@@ -201,7 +201,7 @@ def test_zeroing_records_new_attention_blocks() -> None:
     assert manager.take_new_block_ids() == [4, 5, 6]
 
 
-def test_boundary_state_offers_only_when_asked_for_and_for_one_step() -> None:
+def test_boundary_state_offers_only_when_asked_for_and_until_taken() -> None:
     manager = make_manager(12, mamba(4))
     state = manager.coordinator.single_type_managers[0]
     assert isinstance(state, MambaAlignManager) and not state.record_boundary_state_offloads
@@ -215,14 +215,16 @@ def test_boundary_state_offers_only_when_asked_for_and_for_one_step() -> None:
     offers = state.take_pending_boundary_state_offloads()
     assert [(r, g, b.block_id, n) for r, g, b, n in offers] == [("a", 0, 2, 12)]
     assert state.take_pending_boundary_state_offloads() == []  # drained
+    # Cached between steps (vLLM's update_from_output): the offer waits for the next take.
     b = make_request("b", range(20, 28), 4)
-    allocate(manager, b, 8)
-    assert len(state._pending_boundary_state_offloads) == 1  # noqa: SLF001 - offered...
-    manager.new_step_starts()  # ...but not taken within its step: dropped
-    assert state.take_pending_boundary_state_offloads() == []
+    manager.allocate_slots(b, 8, delay_cache_blocks=True)
+    manager.cache_blocks(b, 8)
+    manager.new_step_starts()
+    offers = state.take_pending_boundary_state_offloads()
+    assert [(r, n) for r, _, _, n in offers] == [("b", 8)]
     c = make_request("c", range(40, 48), 4)
     allocate(manager, c, 8)
-    assert len(state._pending_boundary_state_offloads) == 1  # noqa: SLF001
-    manager.free(c)  # withdrawn with the request's blocks
+    assert len(state._pending_boundary_state_offloads) == 1  # noqa: SLF001 - offered...
+    manager.free(c)  # ...and withdrawn with the request's blocks
     assert state.take_pending_boundary_state_offloads() == []
     manager.check_invariants()

@@ -349,10 +349,20 @@ def test_mamba_boundary_state_offers_are_vllms():
         manager.allocate_slots(other, 48)
         manager.free(other)  # its offers go with its blocks
         seen.append(manager.take_boundary_state_offloads())
+        # Async scheduling: update_from_output caches what a step computed, between steps;
+        # the offer waits for the next schedule()'s take.
+        late = request("c", range(200, 270), 16)
+        manager.new_step_starts()
+        manager.allocate_slots(late, 32, delay_cache_blocks=True)
+        late.num_computed_tokens = 32
+        manager.cache_blocks(late, 32)
+        manager.new_step_starts()
+        seen.append(manager.take_boundary_state_offloads())
         offers.append(seen)
     assert offers[0] == offers[1]
     boundaries = [[b for _, _, b in step.get("a", [])] for step in offers[1][:3]]
     assert boundaries == [[32], [64], []] and offers[1][3] == {}
+    assert [b for _, _, b in offers[1][4]["c"]] == [32]
 
 
 def test_rswa_gaps_are_freed_like_vllms():

@@ -221,3 +221,48 @@ def test_check_tail_asks_nothing_without_a_replay_endpoint_or_while_disconnected
     with lonely:
         assert lonely.connected is False
         assert lonely.check_tail() == [] and lonely.num_tail_unanswered == 0
+
+
+def test_a_live_backlog_older_than_the_replay_buffer_is_not_applied():
+    # After a stall the live queue still holds old batches, PUB dropped the ones after them,
+    # and newer ones follow; when the gap shows, the replay buffer has moved past even the
+    # newer live batches. Those are older than anything the publisher still holds: the
+    # subscriber jumps to the buffer instead of applying them one by one. No snapshots (as
+    # vLLM's publisher), so the replay buffer is all there is.
+    context = zmq.Context()
+    try:
+        with ZmqEventPublisher(
+            "inproc://backlog", "inproc://backlog-replay", bind=True, hwm=4,
+            buffer_steps=100, track_state=False, context=context,
+        ) as publisher:  # fmt: skip
+            sub = ZmqEventSubscriber("inproc://backlog", "inproc://backlog-replay", context=context)
+            with sub:
+
+                def publish(start: int, stop: int) -> None:
+                    for n in range(start, stop):
+                        publisher.publish(event(n))
+                    deadline = time.monotonic() + 10
+                    while publisher.sent_batches < stop:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.01)
+
+                publish(0, 10)
+                poll_until(sub, lambda r: r and r[-1].seq == 9)
+                publish(10, 2010)  # nobody reads: the pipe fills, the rest is dropped
+                got = sub.poll(0.05, max_batches=500)  # room for newer live batches
+                assert [r.seq for r in got] == list(range(10, 510))
+                publish(2010, 2510)  # some enter the pipe behind the old backlog
+                while batch := sub.poll(0.05):
+                    got.extend(batch)
+                seqs = [r.seq for r in got]
+                # The backlog, then straight to the buffer (2410..2509): none of the newer
+                # live batches (from 2010) is applied, they are dropped as already seen.
+                jump = seqs.index(2410)
+                backlog_end = seqs[jump - 1]
+                assert seqs[:jump] == list(range(10, backlog_end + 1)) and backlog_end < 2010
+                assert seqs[jump:] == list(range(2410, 2510))
+                assert got[jump].num_lost_before == 2410 - (backlog_end + 1)
+                assert sub.num_gaps == 1 and sub.num_duplicates > 0
+                assert sub.num_lost == 2410 - (backlog_end + 1)
+    finally:
+        context.destroy(linger=0)

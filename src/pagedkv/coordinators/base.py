@@ -135,7 +135,10 @@ class KVCacheCoordinator:
         (vLLM's tests set `coordinator.retention_interval` between requests); through
         `KVCacheManager.set_retention_interval`, which also re-picks its fast path. Blocks already
         cached stay as they are. None caches densely; 0 keeps only the tails a hit can resume
-        at; N > 0 also one tail per N tokens (a multiple of the hit alignment)."""
+        at; N > 0 also one tail per N tokens (a multiple of the scheduler block, else refused
+        with `InvalidArgumentError`). Unlike the constructor it does not refuse an interval on
+        a model with no sliding-window or Mamba group (it has no effect there), as vLLM's
+        attribute takes any."""
         # The construction check's unit: the scheduler block (the groups' block sizes' LCM).
         alignment = lcm(
             self.cache_alignment_tokens,

@@ -168,8 +168,9 @@ class MambaAlignManager(MambaManager):
     Boundary-state hand-offs (vLLM 0.33's, for a KV connector that offloads Mamba states):
     with `record_boundary_state_offloads` on (the vLLM drop-in sets it), every state block
     `cache_blocks` newly caches is offered as `(request_id, group_id, block, boundary_tokens)`
-    until `take_pending_boundary_state_offloads` drains it; freeing a request withdraws its
-    offers (its blocks go back to the pool), and a new step drops what was not taken.
+    until `take_pending_boundary_state_offloads` drains it (vLLM's scheduler does every step;
+    offers made between steps, by `cache_blocks` from `update_from_output`, wait for the next
+    take); freeing a request withdraws its offers, as its blocks go back to the pool.
 
     Not implemented: sub-block (partial) hits and their copy-on-write.
     """
@@ -487,4 +488,3 @@ class MambaAlignManager(MambaManager):
 
     def new_step_starts(self) -> None:
         self.cached_hashes_this_step.clear()
-        self._pending_boundary_state_offloads.clear()  # offers hold for the step that made them
