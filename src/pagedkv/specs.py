@@ -43,6 +43,11 @@ class KVCacheSpec:
         _check_positive(self, block_size=self.block_size)
 
     @property
+    def prefix_replay_tokens(self) -> int:
+        """Tokens of a hit the scheduler recomputes to rebuild this group (bounded replay)."""
+        return 0
+
+    @property
     def page_size_bytes(self) -> int:
         raise NotImplementedError
 

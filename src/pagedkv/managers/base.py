@@ -260,15 +260,18 @@ class SingleTypeKVCacheManager:
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
+        self._null_range(blocks, 0, min(num_skipped_tokens // self.block_size, len(blocks)))
+
+    def _null_range(self, blocks: list[KVCacheBlock], first: int, last: int) -> None:
+        """Replace `blocks[first:last]` by the null block and free them, walking back from the
+        last: everything before a null is already null (a range is freed once, newest first)."""
         # Before the table changes. Hot path: a window moves on the decode fast path too.
         owner = self.block_pool.owner_thread
         if get_ident() != owner.thread_id:
             owner.check("remove_skipped_blocks")
-        num_skipped_blocks = min(num_skipped_tokens // self.block_size, len(blocks))
         null_block = self._null_block
         removed = []
-        # Walk back from the last skipped block; everything before a null is already null.
-        for index in range(num_skipped_blocks - 1, -1, -1):
+        for index in range(last - 1, first - 1, -1):
             block = blocks[index]
             if block is null_block:
                 break

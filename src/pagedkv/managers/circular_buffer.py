@@ -8,15 +8,11 @@ it until it is freed, whatever its length. Never prefix-cached, never a hit, not
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockPool
 from pagedkv.managers.base import EMPTY_BLOCK_LIST, SingleTypeKVCacheManager
 from pagedkv.specs import KVCacheSpec
-
-if TYPE_CHECKING:
-    from pagedkv.request import Request
 
 
 class CircularBufferManager(SingleTypeKVCacheManager):
@@ -82,11 +78,6 @@ class CircularBufferManager(SingleTypeKVCacheManager):
         drop_eagle_block: bool = False,
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         return tuple([] for _ in kv_cache_group_ids), 0
-
-    def cache_blocks(
-        self, request: Request, num_tokens: int, replay_boundaries: Sequence[int] = ()
-    ) -> None:
-        """Scratch: never cached."""
 
     def remove_skipped_blocks(
         self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None

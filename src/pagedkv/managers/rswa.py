@@ -33,15 +33,5 @@ class RSWAManager(FullAttentionManager):
         first_gap_block = cdiv(num_prompt_tokens, block_size)
         window_start = max(num_prompt_tokens, num_computed_tokens - self.rswa_window)
         last_gap_block = min(window_start // block_size, len(blocks))
-        if first_gap_block >= last_gap_block:
-            return
-        null_block = self._null_block
-        freed = []
-        for index in range(last_gap_block - 1, first_gap_block - 1, -1):
-            block = blocks[index]
-            if block is null_block:
-                break
-            freed.append(block)
-            blocks[index] = null_block
-        if freed:
-            self.block_pool.free_blocks(freed)
+        if first_gap_block < last_gap_block:
+            self._null_range(blocks, first_gap_block, last_gap_block)

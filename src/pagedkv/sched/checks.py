@@ -24,7 +24,7 @@ def check_no_prefix_replay(manager: KVCacheManager) -> None:
     if not manager.enable_caching:
         return
     for group_id, group in enumerate(manager.kv_cache_config.kv_cache_groups):
-        if getattr(group.kv_cache_spec, "prefix_replay_tokens", 0):
+        if group.kv_cache_spec.prefix_replay_tokens:
             raise ConfigError(
                 f"group {group_id} ({type(group.kv_cache_spec).__name__}) is rebuilt by "
                 "bounded prefix replay, which the reference scheduler does not do: use vLLM's "

@@ -218,17 +218,19 @@ class ZmqEventSubscriber:
             return out
         self.num_tail_checks_behind += 1
         if oldest > expected:
-            logger.warning(
-                "KV events %d..%d are lost (replay buffer wrapped)", expected, oldest - 1
-            )
-            self.num_missed += oldest - expected
-            self.num_lost += oldest - expected
-            self.last_seq = oldest - 1
-            self._last_ts = None
+            self._lose_until(expected, oldest, "replay buffer wrapped")
         self._append_replayed(replayed or [], oldest, None, out)
         if out and oldest > expected:
             out[0].num_lost_before = oldest - expected
         return out
+
+    def _lose_until(self, expected: int, oldest: int, why: str) -> None:
+        """Batches `expected..oldest-1` are lost for good: count them and move past them."""
+        logger.warning("KV events %d..%d are lost (%s)", expected, oldest - 1, why)
+        self.num_missed += oldest - expected
+        self.num_lost += oldest - expected
+        self.last_seq = oldest - 1
+        self._last_ts = None
 
     def sync(self) -> ReceivedBatch | None:
         """Resynchronise from a snapshot now (a late joiner); None if none is available."""
@@ -411,11 +413,7 @@ class ZmqEventSubscriber:
         # stall), so they count as lost and are dropped as already seen. Applying them would
         # store blocks whose evictions were in the batches lost.
         oldest = next((seq for seq, _ in replayed if seq > expected), upto)
-        logger.warning("KV events %d..%d are lost (no replay or snapshot)", expected, oldest - 1)
-        self.num_missed += oldest - expected
-        self.num_lost += oldest - expected
-        self.last_seq = oldest - 1
-        self._last_ts = None
+        self._lose_until(expected, oldest, "no replay or snapshot")
         first = len(out)
         self._append_replayed(replayed, oldest, None, out)
         if len(out) > first:

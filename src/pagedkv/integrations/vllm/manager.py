@@ -161,6 +161,7 @@ class PagedKVCacheManager:
             self.core.coordinator,
             [group.kv_cache_spec for group in groups],
             self.core.scheduler_block_size,
+            self._set_retention_interval,  # vLLM's tests set coordinator.retention_interval
         )
         self.block_pool = BlockPoolView(self.core.block_pool)
         self.retained_hit_group_ids: tuple[int, ...] = ()
@@ -171,8 +172,6 @@ class PagedKVCacheManager:
         # (both live as long as the core; the map is updated in place).
         self._running_allocator = self.core._running_allocator
         self._live_requests = self.core._requests
-        # `coordinator.retention_interval = N` (vLLM's tests) goes through the core manager.
-        self.coordinator.set_retention_interval = self._set_retention_interval  # type: ignore[method-assign]
         self._is_mamba = tuple(isinstance(group.kv_cache_spec, MambaSpec) for group in groups)
 
     def _set_retention_interval(self, interval: int | None) -> None:

@@ -8,7 +8,7 @@ other attribute is forwarded unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 from vllm.v1.core import kv_cache_coordinator as vllm_coordinators
@@ -94,9 +94,13 @@ class CoordinatorView:
         coordinator: KVCacheCoordinator,
         vllm_specs: Sequence[VllmKVCacheSpec],
         scheduler_block_size: int,
+        set_retention_interval: Callable[[int | None], None] | None = None,
     ) -> None:
         self._coordinator = coordinator
         self._vllm_specs = tuple(vllm_specs)
+        # Where `retention_interval = N` goes: the owner's setter (the drop-in's also re-picks
+        # the core's fast path), else the coordinator's own.
+        self._set_retention_interval = set_retention_interval or coordinator.set_retention_interval
         self.scheduler_block_size = scheduler_block_size
         self.single_type_managers = tuple(
             manager_view(manager, spec)
@@ -111,23 +115,21 @@ class CoordinatorView:
 
     @retention_interval.setter
     def retention_interval(self, interval: int | None) -> None:
-        self.set_retention_interval(interval)
-
-    def set_retention_interval(self, interval: int | None) -> None:
-        """Replaced by the drop-in with its manager's (which also re-picks the fast path)."""
-        self._coordinator.set_retention_interval(interval)
+        self._set_retention_interval(interval)
 
     @staticmethod
     def for_coordinator(
         coordinator: KVCacheCoordinator,
         vllm_specs: Sequence[VllmKVCacheSpec],
         scheduler_block_size: int,
+        set_retention_interval: Callable[[int | None], None] | None = None,
     ) -> CoordinatorView:
+        view_class: type[CoordinatorView] = KVCacheCoordinatorNoPrefixCache
         if isinstance(coordinator, pagedkv_coordinators.HybridKVCacheCoordinator):
-            return HybridKVCacheCoordinator(coordinator, vllm_specs, scheduler_block_size)
-        if isinstance(coordinator, pagedkv_coordinators.UnitaryKVCacheCoordinator):
-            return UnitaryKVCacheCoordinator(coordinator, vllm_specs, scheduler_block_size)
-        return KVCacheCoordinatorNoPrefixCache(coordinator, vllm_specs, scheduler_block_size)
+            view_class = HybridKVCacheCoordinator
+        elif isinstance(coordinator, pagedkv_coordinators.UnitaryKVCacheCoordinator):
+            view_class = UnitaryKVCacheCoordinator
+        return view_class(coordinator, vllm_specs, scheduler_block_size, set_retention_interval)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._coordinator, name)
