@@ -46,6 +46,7 @@ LAYERS: dict[str, int] = {
     "sizing": 4,  # model configs -> per-layer specs -> KVCacheConfig (stdlib)
     "eviction": 6,  # eviction policies, retention levels, host tier (stdlib): the pool's order
     # the pool and what sits on it
+    "block_pool.entries": 7,  # the hash maps' entries: duplicates, further keys (functions)
     "block_pool.checks": 8,  # the pool's argument and invariant checks (functions)
     "block_pool.events": 8,  # the pool's BlockStored event building (functions)
     "block_pool": 10,  # BlockPool (block_pool/pool.py) and the package's surface

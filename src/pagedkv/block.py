@@ -46,9 +46,12 @@ class KVCacheBlock:
 
     Invariants (kept by `BlockPool`): `ref_cnt` counts the block tables holding the block; the
     block is linked in the free queue iff `ref_cnt == 0` and it is not the null block;
-    `block_hash` is set iff the block is in the prefix cache, under `hash_group_id`.
+    `block_hash` is set iff the block is in the prefix cache, under `hash_group_id`, and then
+    `hash_num_tokens` is the prefix length that hash covers: the end of the block for a full
+    block, a hash-block boundary inside it for a sub-block (partial) entry. A block may be
+    reachable under further keys too (the pool's `extra_block_hashes`).
 
-    Six slots on purpose: with the block id object and the pool's list slot it stays under 120
+    Seven slots on purpose: with the block id object and the pool's list slot it takes 128
     bytes a block (measured by benchmarks/bench_memory.py).
     """
 
@@ -58,6 +61,9 @@ class KVCacheBlock:
     block_hash: BlockHash | None = None
     # The group whose hash map holds this block; meaningful only while block_hash is set.
     hash_group_id: int = 0
+    # Tokens the primary hash covers; meaningful only while block_hash is set (so freeing or
+    # evicting never has to reset it).
+    hash_num_tokens: int = 0
     # Intrusive free-queue links; None when the block is not linked.
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
@@ -71,6 +77,11 @@ class KVCacheBlock:
     def _block_hash(self) -> BlockHash | None:
         """The reference's private name of `block_hash` (its own scheduler tests read it)."""
         return self.block_hash
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        """vLLM 0.33's name: the prefix tokens the block's hash covers (None if unhashed)."""
+        return self.hash_num_tokens if self.block_hash is not None else None
 
     def reset_hash(self) -> None:
         """Forget the block's prefix-cache identity (the pool removes the map entry itself)."""

@@ -82,3 +82,11 @@ class ComputedBlocks(NamedTuple):
     blocks: KVCacheBlocks
     num_computed_tokens: int
     shared_prefix_boundary: int
+
+
+class KVCacheBlockCopy(NamedTuple):
+    """One copy a sub-block hit needs before the step runs: `src_block_id`'s KV (the shared
+    block the hit ends in) into `dst_block_id` (the request's private block), as vLLM 0.33."""
+
+    src_block_id: int
+    dst_block_id: int

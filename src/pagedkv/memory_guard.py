@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - not a Unix system: no `ulimit -v` to r
     resource = None  # type: ignore[assignment]  # None stands for "no resource module"
 
 # Measured with tracemalloc on CPython 3.11 (`python benchmarks/bench_memory.py`): a pool block
-# costs 120 bytes built (the block, its id, the pool's list slot) and about 240 once it holds a
+# costs 128 bytes built (the block, its id, the pool's list slot) and about 248 once it holds a
 # cached SHA-256 hash (the 32-byte key and its dict entries); rounded up for dict growth steps.
 BYTES_PER_POOL_BLOCK = 280
 # What a pool with an eviction policy holds per block beyond that once it has turned over

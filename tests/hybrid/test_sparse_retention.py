@@ -5,8 +5,10 @@ Full attention at 16 tokens a block and a 4-token window at 4 tokens a block: hi
 EAGLE, which peeks one block past it). vLLM 0.33 hashes only those blocks (`reachable_block_mask`)
 unless the interval says otherwise, so the stored events, the free-queue order after a free and
 the hits are different from caching every block. Every expected value below was produced by
-running the same calls on vLLM 0.33's own KVCacheManager (its events also carry a prompt-tail
-partial entry for the full-attention group, which pagedkv does not make; see docs/vllm.md).
+running the same calls on vLLM 0.33's own KVCacheManager, the prompt-tail sub-block entry of the
+full-attention group included (the hash boundary at 68 tokens, inside its fifth block: entered
+by the prefill with EAGLE, whose groups cache the whole prompt, else by the decode step that
+reaches 80 tokens).
 """
 
 from __future__ import annotations
@@ -98,7 +100,11 @@ CASES = {
 def test_only_reachable_window_blocks_are_cached(retention, use_eagle) -> None:
     positions, free_order, num_hit_tokens = CASES[(retention, use_eagle)]
     manager, request, prefill_events, _ = run(retention, use_eagle)
-    full_event, window_event = prefill_events
+    if use_eagle:
+        full_event, tail_event, window_event = prefill_events
+        assert_prompt_tail_entry(tail_event, request)
+    else:
+        full_event, window_event = prefill_events
     assert isinstance(window_event, BlockStored) and window_event.group_idx == 1
     assert full_event.block_hashes == [request.block_hashes[4 * i + 3] for i in range(4)]
     assert window_event.block_hashes == [request.block_hashes[i] for i in positions]
@@ -115,9 +121,18 @@ def test_only_reachable_window_blocks_are_cached(retention, use_eagle) -> None:
         assert window_hits == [0] * (num_hit_tokens // 4 - 1) + [window_hits[-1]]
 
 
+def assert_prompt_tail_entry(event: BlockStored, request) -> None:
+    """The full-attention group's sub-block entry at the prompt's last hash boundary (68)."""
+    assert isinstance(event, BlockStored)
+    assert (event.group_idx, event.block_size, event.token_ids) == (0, 4, list(range(64, 68)))
+    assert event.block_hashes == [request.block_hashes[16]]
+    assert event.parent_block_hash == request.block_hashes[15]
+
+
 def test_a_decode_step_with_nothing_reachable_still_reports_its_range() -> None:
-    _, _, _, decode_events = run(0, False)
-    full_event, window_event = decode_events
+    _, request, _, decode_events = run(0, False)
+    full_event, tail_event, window_event = decode_events
+    assert_prompt_tail_entry(tail_event, request)
     assert (full_event.group_idx, len(full_event.block_hashes)) == (0, 1)
     # Every new window block was masked: an event with no hashes, the step's 16 tokens.
     assert window_event.block_hashes == [] and len(window_event.token_ids) == 16

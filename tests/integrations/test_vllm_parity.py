@@ -134,15 +134,14 @@ def test_pool_blocks_show_vllms_hash_and_group_form():
     for manager in managers:
         req = request("a", list(range(50)), 16)
         manager.allocate_slots(req, 50)
-        hashes.append([block.block_hash for block in manager.block_pool.blocks])
+        hashes.append(
+            [(block.block_hash, block.block_hash_num_tokens) for block in manager.block_pool.blocks]
+        )
         # A view equals the block it shows (the one in the request's table).
         table = manager.get_blocks("a").blocks[1]
         assert manager.block_pool.blocks[table[0].block_id] == table[0]
     assert hashes[0] == hashes[1]
-    assert sum(h is not None for h in hashes[0]) == 6
-    view = managers[1].block_pool.blocks[1]
-    with pytest.raises(AttributeError, match="block_hash_num_tokens"):
-        _ = view.block_hash_num_tokens
+    assert sorted(n for h, n in hashes[0] if h is not None) == [16, 16, 32, 32, 48, 48]
 
 
 def test_cache_full_blocks_with_vllms_signature_emits_the_same_event():
@@ -249,23 +248,30 @@ def test_uncached_free_blocks_given_as_hits_are_adopted_like_vllms():
     assert len(set(flat) - {0}) == len([b for b in flat if b])
 
 
-def test_the_shared_prefix_checkpoint_is_off_and_says_so(caplog):
-    # vLLM narrows the flag to False without sub-block hash hits; pagedkv has none, so it is
-    # always off, and asking for it is one warning rather than silence.
-    specs = (full(16),)
-    with caplog.at_level("WARNING", logger="pagedkv.integrations.vllm.manager"):
-        manager = PagedKVCacheManager(
-            config(16, specs), **kwargs_for(specs, enable_mamba_shared_prefix_checkpoint=True)
-        )
-    assert manager.mamba_shared_prefix_checkpoint is False
-    assert [r.getMessage() for r in caplog.records] == [
-        "enable_mamba_shared_prefix_checkpoint=True is ignored: pagedkv has no sub-block "
-        "hash hits, which the checkpoint needs (vLLM turns it off without them too)"
-    ]
-    vllm_manager = VllmKVCacheManager(
-        config(16, specs), **kwargs_for(specs, enable_mamba_shared_prefix_checkpoint=True)
-    )
-    assert vllm_manager.mamba_shared_prefix_checkpoint is False  # no Mamba group: off there too
+@pytest.mark.parametrize(
+    ("specs", "use_eagle"),
+    [
+        ((full(16),), True),  # no Mamba group: no sub-block hits
+        ((full(2), MambaSpec(block_size=8, shapes=(1, 1), dtypes=(DTYPE,),
+                             mamba_cache_mode="align")), False),  # no EAGLE
+        ((full(2), MambaSpec(block_size=8, shapes=(1, 1), dtypes=(DTYPE,),
+                             mamba_cache_mode="align")), True),  # on
+    ],
+)  # fmt: skip
+def test_the_shared_prefix_checkpoint_is_narrowed_like_vllms(specs, use_eagle):
+    # vLLM keeps the flag only for an EAGLE Mamba "align" model with sub-block hash hits.
+    kw = kwargs_for(specs, use_eagle=use_eagle, enable_mamba_shared_prefix_checkpoint=True)
+    flags = []
+    for cls in (VllmKVCacheManager, PagedKVCacheManager):
+        manager = cls(config(40, specs), **kw)
+        mamba_flags = [
+            manager.shared_prefix_checkpoint
+            for manager in manager.coordinator.single_type_managers
+            if type(manager).__name__ == "MambaManager"
+        ]
+        flags.append((manager.mamba_shared_prefix_checkpoint, mamba_flags))
+    assert flags[0] == flags[1]
+    assert flags[1][0] is (len(specs) == 2 and use_eagle)
 
 
 def test_bounded_replay_windows_are_allocated_like_vllms():

@@ -7,6 +7,7 @@ nothing and are never on a hot path. Knows no `BlockPool` class.
 from __future__ import annotations
 
 from pagedkv.block import BlockHash, KVCacheBlock
+from pagedkv.block_pool.entries import check_extra_keys
 from pagedkv.errors import ConfigError, InvariantViolation
 from pagedkv.eviction import EvictionConfig, FreeBlockSet, HostTier
 from pagedkv.memory_guard import BYTES_PER_POOL_BLOCK, check_fits
@@ -46,6 +47,7 @@ def check_pool_invariants(
     host_tier: HostTier | None,
     hash_to_block: list[dict[BlockHash, KVCacheBlock]],
     duplicates: list[dict[BlockHash, dict[int, KVCacheBlock]]],
+    extra_block_hashes: dict[int, list[BlockHash]],
     enable_caching: bool,
 ) -> None:
     """Verify a pool's invariants (`BlockPool`'s docstring) on its parts; raise
@@ -82,17 +84,26 @@ def check_pool_invariants(
             if not in_map:
                 raise InvariantViolation(f"block {block_id} has a hash but no map entry")
     for group_id, hash_map in enumerate(hash_to_block):
-        _check_hash_map(group_id, hash_map, duplicates[group_id])
+        _check_hash_map(group_id, hash_map, duplicates[group_id], extra_block_hashes)
+    check_extra_keys(hash_to_block, duplicates, extra_block_hashes, blocks)
 
 
 def _check_hash_map(
     group_id: int,
     hash_map: dict[BlockHash, KVCacheBlock],
     duplicates: dict[BlockHash, dict[int, KVCacheBlock]],
+    extra_block_hashes: dict[int, list[BlockHash]],
 ) -> None:
-    """Every entry of one group's map, and of its duplicates, points at a block with that hash."""
+    """Every entry of one group's map, and of its duplicates, points at a block of that group
+    with that hash (its primary one or a further key)."""
+
+    def has_key(block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        return block.block_hash == block_hash or block_hash in extra_block_hashes.get(
+            block.block_id, ()
+        )
+
     for block_hash, block in hash_map.items():
-        if block.block_hash != block_hash or block.hash_group_id != group_id:
+        if not has_key(block, block_hash) or block.hash_group_id != group_id:
             raise InvariantViolation(
                 f"map entry of group {group_id} points at block {block.block_id} whose hash differs"
             )
@@ -100,5 +111,5 @@ def _check_hash_map(
         if block_hash not in hash_map or not others:
             raise InvariantViolation("duplicate entry without a primary entry")
         for block_id, block in others.items():
-            if block.block_id != block_id or block.block_hash != block_hash:
+            if block.block_id != block_id or not has_key(block, block_hash):
                 raise InvariantViolation(f"stale duplicate entry for block {block_id}")

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool.checks import check_pool_args, check_pool_invariants
-from pagedkv.block_pool.events import block_stored_event
+from pagedkv.block_pool.entries import drop_key, insert_key, remove_keys
+from pagedkv.block_pool.events import block_stored_event, partial_block_stored_event
 from pagedkv.errors import ForeignBlockError, InvalidArgumentError, InvariantViolation
 from pagedkv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
 from pagedkv.eviction import (
@@ -119,6 +120,8 @@ class BlockPool:
         self._duplicates: list[dict[BlockHash, dict[int, KVCacheBlock]]] = [
             {} for _ in range(num_kv_cache_groups)
         ]
+        # Block id -> the block's further keys (sub-block entries; `entries.py`), same group.
+        self.extra_block_hashes: dict[int, list[BlockHash]] = {}
         self.null_block = self.free_block_queue.popleft()
         if self.eviction_policy is not None:
             self.eviction_policy.attach(self.hash_to_block)
@@ -176,6 +179,7 @@ class BlockPool:
                 # a hash without duplicates); anything else takes the general method.
                 hash_maps = self.hash_to_block
                 duplicates = self._duplicates
+                extra = self.extra_block_hashes
                 # Events on: one BlockRemoved per removed key, as in the general method.
                 removed = self.kv_event_queue if self.enable_kv_cache_events else None
                 medium = self.medium
@@ -184,11 +188,13 @@ class BlockPool:
                     block_hash = block.block_hash
                     if block_hash is not None:
                         group_id = block.hash_group_id
-                        # Only a hash with duplicates needs the general method (the block may
-                        # be a duplicate, or a primary with one to promote); any other cached
-                        # block is its hash's map entry.
+                        # Only a hash with duplicates (the block may be a duplicate, or a
+                        # primary with one to promote) or a block with further keys needs the
+                        # general method; any other cached block is its hash's map entry.
                         group_duplicates = duplicates[group_id]
-                        if group_duplicates and block_hash in group_duplicates:
+                        if (group_duplicates and block_hash in group_duplicates) or (
+                            extra and block.block_id in extra
+                        ):
                             self._maybe_evict_cached_block(block)
                         else:
                             if hash_maps[group_id].pop(block_hash, None) is not block:
@@ -347,27 +353,39 @@ class BlockPool:
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         new_block_hashes = block_hashes[num_cached_blocks:num_full_blocks]
         duplicates = self._duplicates[kv_cache_group_id]
+        num_tokens = num_cached_blocks * block_size  # the prefix each new block ends
         if block_mask is None:
             # Hot path: dense caching (the common case) steps through no mask.
             for block, block_hash in zip(new_blocks, new_block_hashes, strict=False):
-                if block is null_block or block.block_hash is not None:
-                    # Null padding is never cached; a block is hashed at most once.
+                num_tokens += block_size
+                if block is null_block or (
+                    block.block_hash is not None and not self._promote(block, num_tokens)
+                ):
+                    # Null padding is never cached; a block is hashed at most once (unless a
+                    # sub-block entry of it is promoted to the full one).
                     skipped.append(block)
                     continue
                 block.block_hash = block_hash
                 block.hash_group_id = kv_cache_group_id
+                block.hash_num_tokens = num_tokens
                 if setdefault(block_hash, block) is not block:
                     duplicates.setdefault(block_hash, {})[block.block_id] = block
         else:
             for block, block_hash, kept in zip(
                 new_blocks, new_block_hashes, block_mask, strict=False
             ):
-                if not kept or block is null_block or block.block_hash is not None:
+                num_tokens += block_size
+                if (
+                    not kept
+                    or block is null_block
+                    or (block.block_hash is not None and not self._promote(block, num_tokens))
+                ):
                     # As above; a masked block could never serve a hit.
                     skipped.append(block)
                     continue
                 block.block_hash = block_hash
                 block.hash_group_id = kv_cache_group_id
+                block.hash_num_tokens = num_tokens
                 if setdefault(block_hash, block) is not block:
                     duplicates.setdefault(block_hash, {})[block.block_id] = block
         if self.eviction_policy is not None:
@@ -395,14 +413,54 @@ class BlockPool:
             )
         )
 
+    def _promote(self, block: KVCacheBlock, num_tokens: int) -> bool:
+        """A hashed block `cache_full_blocks` meets: if its hash is a sub-block entry (covering
+        fewer than the `num_tokens` its full hash will), drop its keys (with events) so the
+        full hash can take their place and return True; else leave it and return False."""
+        if block.hash_num_tokens >= num_tokens:
+            return False
+        self._remove_cached_block_hashes(block)
+        return True
+
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[BlockHash]:
+        """Take `block` out of the cache under every key (one `BlockRemoved` each); return the
+        keys removed. Ref count and free-queue place stay."""
+        group_id = block.hash_group_id
+        if block.block_hash is not None and self.eviction_policy is not None:
+            self.eviction_policy.on_uncached(block)
+        keys = remove_keys(
+            self.hash_to_block[group_id],
+            self._duplicates[group_id],
+            self.extra_block_hashes,
+            block,
+        )
+        if keys:
+            self.eviction_epoch += 1
+            if self.enable_kv_cache_events:
+                for key in keys:
+                    self.kv_event_queue.append(BlockRemoved([key], self.medium, group_id))
+        return keys
+
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """Drop `block`'s prefix-cache entry if it has one; return whether it had."""
+        """Drop `block`'s prefix-cache entries if it has any; return whether it had."""
         block_hash = block.block_hash
         if block_hash is None:
             return False
         group_id = block.hash_group_id
         if self.metrics_collector is not None:
             self.metrics_collector.on_block_evicted(block)
+        if self.extra_block_hashes and block.block_id in self.extra_block_hashes:
+            keys = remove_keys(
+                self.hash_to_block[group_id],
+                self._duplicates[group_id],
+                self.extra_block_hashes,
+                block,
+            )
+            self.eviction_epoch += 1
+            if self.enable_kv_cache_events:
+                for key in keys:
+                    self.kv_event_queue.append(BlockRemoved([key], self.medium, group_id))
+            return True
         hash_map = self.hash_to_block[group_id]
         duplicates = self._duplicates[group_id]
         if not duplicates:
@@ -412,7 +470,7 @@ class BlockPool:
                     f"block {block.block_id} has a hash but is not in the hash map"
                 )
         else:
-            _drop_entry_with_duplicates(hash_map, duplicates, block, block_hash)
+            drop_key(hash_map, duplicates, block, block_hash)
         block.block_hash = None
         block.hash_group_id = 0
         self.eviction_epoch += 1
@@ -440,28 +498,43 @@ class BlockPool:
                 policy.on_uncached(block)
             self._maybe_evict_cached_block(block)
 
-    def drop_cache_entry(self, block: KVCacheBlock) -> bool:
-        """Remove `block`'s prefix-cache entry without an event; return whether it had one.
+    def drop_cache_entry(self, block: KVCacheBlock, block_hash: BlockHash | None = None) -> bool:
+        """Remove `block`'s prefix-cache entries without an event; return whether it had any.
 
         A raw edit of the hash map (what the reference's `BlockHashToBlockMap.pop` is): the
         block keeps its ref count and free-queue place and can be entered again with
-        `add_cache_entry`. Eviction proper is `evict_blocks`, which reports it.
+        `add_cache_entry`. With `block_hash`, only that key of the block goes (a block reached
+        under several keys keeps the others; its primary hash passes to the next one).
+        Eviction proper is `evict_blocks`, which reports it.
         """
         owner = self.owner_thread
         if get_ident() != owner.thread_id:
             owner.check("BlockPool.drop_cache_entry")
         self._check_own_block(block, "drop_cache_entry")
-        block_hash = block.block_hash
-        if block_hash is None:
+        if block.block_hash is None:
+            return False
+        group_id = block.hash_group_id
+        hash_map, duplicates = self.hash_to_block[group_id], self._duplicates[group_id]
+        further = self.extra_block_hashes.get(block.block_id)
+        if block_hash is not None and further:
+            if block_hash in further:
+                further.remove(block_hash)
+            elif block_hash == block.block_hash:
+                # The next key becomes the primary one; what it covers is not known: 0.
+                block.block_hash = further.pop(0)
+                block.hash_num_tokens = 0
+            else:
+                return False
+            if not further:
+                del self.extra_block_hashes[block.block_id]
+            drop_key(hash_map, duplicates, block, block_hash)
+            self.eviction_epoch += 1
+            return True
+        if block_hash is not None and block_hash != block.block_hash:
             return False
         if self.eviction_policy is not None:
             self.eviction_policy.on_uncached(block)
-        group_id = block.hash_group_id
-        _drop_entry_with_duplicates(
-            self.hash_to_block[group_id], self._duplicates[group_id], block, block_hash
-        )
-        block.block_hash = None
-        block.hash_group_id = 0
+        remove_keys(hash_map, duplicates, self.extra_block_hashes, block)
         self.eviction_epoch += 1
         return True
 
@@ -500,8 +573,109 @@ class BlockPool:
             )
         block.block_hash = block_hash
         block.hash_group_id = kv_cache_group_id
+        block.hash_num_tokens = 0  # a raw entry: the prefix it covers is not known
         if self.hash_to_block[kv_cache_group_id].setdefault(block_hash, block) is not block:
             self._duplicates[kv_cache_group_id].setdefault(block_hash, {})[block.block_id] = block
+
+    def cache_partial_block(
+        self,
+        request: Request,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> BlockHash | None:
+        """Make `block` reachable from the prefix boundary at `num_tokens` (a sub-block, or
+        "partial", entry of vLLM 0.33): its key is the request's hash at that boundary.
+
+        `num_tokens` is a positive multiple of `hash_block_size` within the request's hashes.
+        The key becomes the block's primary hash if it has none (covering `num_tokens`), else a
+        further key; a primary hash covering fewer tokens is dropped first (with its keys), and
+        so is every key with `replace_existing_hashes` (the block's contents were replaced).
+        One `BlockStored` for the hash block ending at `num_tokens`, unless the block already
+        had this key. Returns the key, or None for the null block.
+        """
+        owner = self.owner_thread
+        if get_ident() != owner.thread_id:
+            owner.check("BlockPool.cache_partial_block")
+        if block is self.null_block:
+            return None
+        hash_block_size = self.hash_block_size
+        num_hash_blocks = num_tokens // hash_block_size
+        if (
+            num_tokens <= 0
+            or num_tokens % hash_block_size
+            or num_hash_blocks > len(request.block_hashes)
+            or block_size % hash_block_size
+        ):
+            raise InvalidArgumentError(
+                f"cache_partial_block: num_tokens {num_tokens} must be a positive multiple of "
+                f"hash_block_size {hash_block_size} within the request's "
+                f"{len(request.block_hashes)} hashes (block_size {block_size})"
+            )
+        block_hash = request.block_hashes[num_hash_blocks - 1]
+        group_id = kv_cache_group_id
+        if replace_existing_hashes:
+            self._remove_cached_block_hashes(block)
+        elif block.block_hash is not None and block.hash_group_id != group_id:
+            raise InvalidArgumentError(
+                f"cache_partial_block: block {block.block_id} is cached in group "
+                f"{block.hash_group_id}, not {group_id}"
+            )
+        elif (
+            block.block_hash is not None
+            and block.hash_num_tokens < num_tokens
+            and block.block_hash != block_hash
+            and block_hash not in self.extra_block_hashes.get(block.block_id, ())
+        ):
+            self._remove_cached_block_hashes(block)  # the block now holds a longer prefix
+        was_cached = block.block_hash is not None
+        added = insert_key(
+            self.hash_to_block[group_id],
+            self._duplicates[group_id],
+            self.extra_block_hashes,
+            block,
+            block_hash,
+            group_id,
+            num_tokens,
+        )
+        if not was_cached and self.eviction_policy is not None:
+            self.eviction_policy.note_cached(block, None, num_tokens)
+        if added and self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                partial_block_stored_event(
+                    request,
+                    num_hash_blocks,
+                    hash_block_size,
+                    group_id,
+                    self.num_hash_lookahead_tokens,
+                    self.medium,
+                )
+            )
+        return block_hash
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Re-point every key of `src_block` to the unhashed `dst_block`, no events: the
+        request holding `src_block` goes on writing into it, and the cache keeps a private copy
+        (a copy-on-write destination) under the same keys."""
+        if dst_block.block_hash is not None or dst_block.block_id in self.extra_block_hashes:
+            raise InvariantViolation(
+                f"move_block_hashes: destination block {dst_block.block_id} is already cached"
+            )
+        group_id = src_block.hash_group_id
+        num_tokens = src_block.hash_num_tokens
+        hash_map, duplicates = self.hash_to_block[group_id], self._duplicates[group_id]
+        policy = self.eviction_policy
+        if policy is not None and src_block.block_hash is not None:
+            policy.on_uncached(src_block)
+        keys = remove_keys(hash_map, duplicates, self.extra_block_hashes, src_block)
+        for key in keys:
+            insert_key(
+                hash_map, duplicates, self.extra_block_hashes, dst_block, key, group_id, num_tokens
+            )
+        if policy is not None and keys:
+            policy.note_cached(dst_block, None, num_tokens)
 
     def get_cached_blocks(
         self, block_hash: BlockHash, kv_cache_group_id: int
@@ -542,6 +716,7 @@ class BlockPool:
             hash_map.clear()
         for duplicates in self._duplicates:
             duplicates.clear()
+        self.extra_block_hashes.clear()
         for block in self.blocks:
             block.block_hash = None
             block.hash_group_id = 0
@@ -603,10 +778,11 @@ class BlockPool:
         )
 
     def num_cached_blocks(self) -> int:
-        """Blocks currently in the prefix cache, all groups."""
-        return sum(len(m) for m in self.hash_to_block) + sum(
+        """Blocks currently in the prefix cache, all groups (a block under several keys once)."""
+        num_entries = sum(len(m) for m in self.hash_to_block) + sum(
             len(d) for dups in self._duplicates for d in dups.values()
         )
+        return num_entries - sum(len(keys) for keys in self.extra_block_hashes.values())
 
     def check_invariants(self) -> None:
         """Verify the invariants of the class docstring; raise `InvariantViolation` on the
@@ -618,6 +794,7 @@ class BlockPool:
             self.host_tier,
             self.hash_to_block,
             self._duplicates,
+            self.extra_block_hashes,
             self.enable_caching,
         )
 
@@ -712,29 +889,3 @@ def _touch_with_policy(
         for block in blocks:
             if block is not null_block:
                 collector.on_block_accessed(block)
-
-
-def _drop_entry_with_duplicates(
-    hash_map: dict[BlockHash, KVCacheBlock],
-    duplicates: dict[BlockHash, dict[int, KVCacheBlock]],
-    block: KVCacheBlock,
-    block_hash: BlockHash,
-) -> None:
-    """Remove `block` from one group's hash map when the group has duplicate hashes: a primary
-    entry hands over to the earliest remaining duplicate (lookups keep "first cached wins"), a
-    duplicate just leaves. Raise `InvariantViolation` if the block is in neither."""
-    if hash_map.get(block_hash) is block:
-        others = duplicates.get(block_hash)
-        if others:
-            promoted_id = next(iter(others))
-            hash_map[block_hash] = others.pop(promoted_id)
-            if not others:
-                del duplicates[block_hash]
-        else:
-            del hash_map[block_hash]
-        return
-    others = duplicates.get(block_hash)
-    if others is None or others.pop(block.block_id, None) is None:
-        raise InvariantViolation(f"block {block.block_id} has a hash but is not in the hash map")
-    if not others:
-        del duplicates[block_hash]

@@ -120,6 +120,10 @@ class KVCacheCoordinator:
                     "not supported there (as in the reference)"
                 )
         self.wants_replay_boundaries = self._wants_replay_boundaries()
+        # Replay boundaries land on scheduler blocks even where hits may end inside a block
+        # (the finer grid would over-estimate how far a resend reaches).
+        self.replay_alignment_tokens = managers[0].alignment_tokens if managers else 1
+        self.enable_partial_hash_hits = False
 
     def _wants_replay_boundaries(self) -> bool:
         """Sparse-retention managers with a retention interval keep the blocks at the positions
@@ -197,9 +201,12 @@ class KVCacheCoordinator:
         apply_admission_cap: bool = False,
         num_tokens_main_model: int | None = None,
         prefill_end: int = 0,
+        num_local_computed_tokens: int = 0,
     ) -> int:
         """`prefill_end`: where the request's prefill ends; only with retention interval 0 do
-        Mamba prefill checkpoints wait for the chunk reaching it (as in vLLM 0.33)."""
+        Mamba prefill checkpoints wait for the chunk reaching it (as in vLLM 0.33).
+        `num_local_computed_tokens`: the prefix hit (a hit ending inside a block needs its
+        shared tail copied)."""
         if self.retention_interval != 0:
             prefill_end = 0
         total = 0
@@ -217,6 +224,7 @@ class KVCacheCoordinator:
                     apply_admission_cap,
                     num_tokens_main_model,
                     prefill_end,
+                    num_local_computed_tokens,
                 )
         return total
 
@@ -278,7 +286,7 @@ class KVCacheCoordinator:
         if self.wants_replay_boundaries:
             boundaries = replay_boundaries(
                 request.num_prompt_tokens,
-                self.single_type_managers[0].alignment_tokens,
+                self.replay_alignment_tokens,
                 bool(self.drop_eagle_group_ids),
             )
         for group_id, manager in enumerate(self.single_type_managers):
@@ -336,17 +344,16 @@ class KVCacheCoordinator:
         )
 
     def estimate_cached_tokens(self, request_id: str) -> int:
-        """Min over cacheable groups of the end of the request's last hashed block (0: none)."""
+        """Min over cacheable groups of the longest prefix a hash of the request's blocks
+        covers (0: none)."""
         cached_tokens: int | None = None
         for manager in self.single_type_managers:
             if not manager.enable_caching:
                 continue
-            blocks = manager.req_to_blocks.get(request_id, ())
             group_tokens = 0
-            for index in range(len(blocks) - 1, -1, -1):
-                if blocks[index].block_hash is not None:
-                    group_tokens = (index + 1) * manager.block_size
-                    break
+            for block in manager.req_to_blocks.get(request_id, ()):
+                if block.block_hash is not None and block.hash_num_tokens > group_tokens:
+                    group_tokens = block.hash_num_tokens
             if cached_tokens is None or group_tokens < cached_tokens:
                 cached_tokens = group_tokens
         return cached_tokens or 0
@@ -375,6 +382,14 @@ class KVCacheCoordinator:
         for manager in self.single_type_managers:
             manager.new_step_starts()
 
+    def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """Every group's queued `(source, copy)` pairs of sub-block hits, in group order."""
+        pairs: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        for manager in self.single_type_managers:
+            if manager._pending_cow_copies:
+                pairs.extend(manager.take_pending_cow_copies())
+        return pairs
+
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
@@ -389,12 +404,20 @@ class KVCacheCoordinator:
         """Check the pool, every manager and the ref counts.
 
         `held_outside`: blocks the caller still holds outside any block table (popped by
-        `pop_blocks_for_free` and not freed yet); each occurrence counts as one reference.
+        `pop_blocks_for_free` and not freed yet, or the ends of copies taken and not yet
+        released); each occurrence counts as one reference. The ends of queued copies count
+        once each too.
         """
         self.block_pool.check_invariants()
         holders: dict[int, int] = {}
         null_block = self.block_pool.null_block
-        for block in held_outside:
+        queued = [
+            block
+            for m in self.single_type_managers
+            for pair in m._pending_cow_copies
+            for block in pair
+        ]
+        for block in [*held_outside, *queued]:
             if block is not null_block:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for manager in self.single_type_managers:

@@ -7,6 +7,7 @@ never imports this module.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import lcm
@@ -17,11 +18,18 @@ from pagedkv.block_pool import BlockResidencyObserver
 from pagedkv.coordinators.base import NO_SPEC_DECODE, KVCacheCoordinator
 from pagedkv.errors import ConfigError, InvariantViolation
 from pagedkv.eviction import EvictionConfig
-from pagedkv.managers import FullAttentionManager, MambaManager, SingleTypeKVCacheManager
+from pagedkv.managers import (
+    FullAttentionManager,
+    MambaAlignManager,
+    MambaManager,
+    SingleTypeKVCacheManager,
+)
 from pagedkv.specs import CrossAttentionSpec, KVCacheConfig, KVCacheSpec, SpecDecodeConfig, cdiv
 
 if TYPE_CHECKING:
     from pagedkv.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +104,24 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             eviction=eviction,
             spec_decode=spec_decode,
         )
+        self.enable_partial_hash_hits = enable_caching and self._partial_hits_supported()
+        if self.enable_partial_hash_hits:
+            # Hits may end on any hash block, and every computed token is cacheable.
+            self.cache_alignment_tokens = 1
+            for manager in self.single_type_managers:
+                manager.alignment_tokens = hash_block_size
+        if enable_caching:
+            for manager in self.single_type_managers:
+                # vLLM 0.33 enters the prompt's tail hash boundary inside a larger
+                # full-attention block (looked up only with sub-block hits on).
+                manager.registers_partial_tails = (
+                    manager.enable_caching
+                    and type(manager) is FullAttentionManager
+                    and manager.block_size != hash_block_size
+                )
+        self._registers_partial_tails = any(
+            manager.registers_partial_tails for manager in self.single_type_managers
+        )
         self.spec_buckets = self._make_buckets()
         # "Full attention + one other type": the full-attention answer cannot be invalidated
         # by the other type's shorter one, so one pass suffices.
@@ -108,6 +134,34 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self.full_attention_group_id = (
             first.group_ids[0] if first is not None and first.is_full_attention else None
         )
+
+    def _partial_hits_supported(self) -> bool:
+        """vLLM 0.33's rule: some Mamba "align" group has blocks larger than a hash block, and
+        every other cacheable group can look up at hash-block granularity (or has blocks of
+        one hash block)."""
+        managers = self.single_type_managers
+        if not any(
+            isinstance(manager, MambaAlignManager) and manager.block_size > self.hash_block_size
+            for manager in managers
+        ):
+            return False
+        unsupported = sorted(
+            {
+                type(manager).__name__
+                for manager in managers
+                if manager.enable_caching
+                and not manager.supports_fine_grained_hash_lookup
+                and manager.block_size != self.hash_block_size
+            }
+        )
+        if unsupported:
+            logger.warning(
+                "Disabling fine-grained prefix-cache hits because these KV cache managers "
+                "require block-aligned lookups: %s.",
+                ", ".join(unsupported),
+            )
+            return False
+        return True
 
     def _make_buckets(self) -> tuple[SpecBucket, ...]:
         """Bucket cacheable groups by spec, full attention first, otherwise in group order."""
@@ -210,7 +264,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         first (not Mamba: draft models have no Mamba layers, so it never drops)."""
         manager = bucket.manager
         if drop_eagle_block and not isinstance(manager, MambaManager):
-            max_length = min(max_length + manager.block_size, max_hashed_tokens)
+            # The EAGLE drop unit: a hash block where hits may end inside a block, else one.
+            margin = manager.block_size
+            if self.enable_partial_hash_hits and manager.supports_fine_grained_hash_lookup:
+                margin = min(margin, self.hash_block_size)
+            max_length = min(max_length + margin, max_hashed_tokens)
         return manager.find_longest_cache_hit(
             block_hashes,
             max_length,
@@ -256,12 +314,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     raise InvariantViolation(f"group {group_id}'s spec differs from its bucket's")
 
     def get_num_cacheable_tokens(self, num_computed_tokens: int, group_id: int) -> int:
-        """`num_computed_tokens` rounded down to `scheduler_block_size`, where hits can end.
+        """`num_computed_tokens` rounded down to `scheduler_block_size`, where hits can end
+        (not rounded with sub-block hits).
 
         An EAGLE group may cache one block more (its hits look one block past the boundary),
         of the tokens that cannot be prefilled again.
         """
-        block = self.scheduler_block_size
+        block = self.cache_alignment_tokens
         num_aligned = num_computed_tokens // block * block
         manager = self.single_type_managers[group_id]
         if manager.use_eagle and num_aligned > 0:
@@ -271,5 +330,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache full blocks up to the cacheable tokens of each group (see above)."""
-        if num_computed_tokens >= self.scheduler_block_size:
+        if (
+            num_computed_tokens >= self.scheduler_block_size
+            or self.enable_partial_hash_hits
+            or self._registers_partial_tails
+        ):
             super().cache_blocks(request, num_computed_tokens)

@@ -220,8 +220,15 @@ class MultiGroupRunningAllocator(RunningAllocator):
                 )
             )
         self.groups: tuple[_GroupPlan, ...] = tuple(groups)
+        # (manager, cache when the cacheable tokens exceed this many blocks of it, its cached
+        # counts). A group entering the prompt's tail as a sub-block entry is asked every time
+        # (a count of 1-token blocks is always exceeded), as the general path asks it.
         self.caching_groups = tuple(
-            (manager, manager.block_size, manager.num_cached_block)
+            (
+                manager,
+                1 if manager.registers_partial_tails else manager.block_size,
+                manager.num_cached_block,
+            )
             for manager in coordinator.single_type_managers
             if manager.enable_caching
         )
@@ -381,8 +388,10 @@ def make_running_allocator(
     # Speculative decoding (EAGLE's per-group cacheable tokens, re-prefillable tokens), a
     # retention interval (replay boundaries) and the zeroing record change the steps replayed
     # here. (Sparse masks without an interval are the managers' own: `cache_blocks` applies them.)
+    # Sub-block hits add a step (a copy) to allocation.
     if (
         coordinator.num_reprefillable_tokens
+        or coordinator.enable_partial_hash_hits
         or coordinator.drop_eagle_group_ids
         or coordinator.wants_replay_boundaries
         or any(manager.use_eagle or manager.new_block_ids is not None for manager in managers)

@@ -21,7 +21,7 @@ from pagedkv.errors import (
 )
 from pagedkv.events import KVCacheEvent
 from pagedkv.eviction import EvictionConfig, EvictionStats, as_eviction_config
-from pagedkv.kv_cache_blocks import ComputedBlocks, DecodeSlots, KVCacheBlocks
+from pagedkv.kv_cache_blocks import ComputedBlocks, DecodeSlots, KVCacheBlockCopy, KVCacheBlocks
 from pagedkv.kv_cache_manager.checks import (
     AllocationChecker,
     check_count,
@@ -323,6 +323,7 @@ class KVCacheManager:
                 apply_admission_cap=True,
                 num_tokens_main_model=num_full_tokens,
                 prefill_end=prefill_end,
+                num_local_computed_tokens=num_local_computed,
             )
             if num_needed + watermark_blocks > num_free:
                 return None
@@ -342,6 +343,7 @@ class KVCacheManager:
             num_encoder_tokens,
             num_tokens_main_model=num_tokens_main_model,
             prefill_end=prefill_end,
+            num_local_computed_tokens=num_local_computed,
         )
         num_available = self.block_pool.free_block_queue.num_free_blocks - reserved_blocks
         if num_blocks_to_allocate + watermark_blocks > num_available:
@@ -604,6 +606,17 @@ class KVCacheManager:
         """Tokens of the request's prefix in the prefix cache: per cacheable group, the end of
         its last hashed block; the minimum over groups (0 if none)."""
         return self.coordinator.estimate_cached_tokens(request.request_id)
+
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """Drain the block copies queued by sub-block hits since the last call (vLLM 0.33's
+        contract): `(copies, retained)`. The worker copies each `src_block_id`'s KV into its
+        `dst_block_id` before the step's forward runs; once it has, release both ends with
+        `block_pool.free_blocks(retained)` (until then they cannot be reused)."""
+        pairs = self.coordinator.take_pending_cow_copies()
+        if not pairs:
+            return [], []
+        copies = [KVCacheBlockCopy(source.block_id, copy.block_id) for source, copy in pairs]
+        return copies, [block for pair in pairs for block in pair]
 
     def take_new_block_ids(self) -> list[int]:
         """Drain the ids of attention blocks allocated since the last call, for the worker to

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from _thread import get_ident
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool import BlockPool
@@ -30,7 +30,22 @@ class SingleTypeKVCacheManager:
     the prefix cache (null padding included) and is present once r has been allocated;
     `new_block_ids` (None unless recording) lists blocks allocated since the last drain.
     `use_eagle` is set by the coordinator: this group's hits drop the EAGLE block.
+
+    Sub-block (partial) hits (vLLM 0.33, only where the coordinator enables them): a hit that
+    ends inside one of this group's blocks shares that block's head with the cache, so the
+    request writes into a private copy instead (copy-on-write). `add_local_computed_blocks`
+    records the shared tail in `_partial_hit_reqs[r] = (position, block)` and caches only the
+    blocks before it; the next `allocate_new_blocks` takes a fresh block for the position,
+    tables it and queues `(source, copy)` in `_pending_cow_copies` (drained by
+    `take_pending_cow_copies`). Until the copy has run both blocks keep one extra reference
+    (the source its hit's, the copy one more than its table's), which the caller drops with
+    `BlockPool.free_blocks` once the worker copied. `registers_partial_tails` (set by the
+    coordinator for a full-attention group whose blocks are larger than a hash block) enters
+    the hash boundary the prompt ends at as a sub-block entry of the block holding it.
     """
+
+    # Whether hits may end inside a block (vLLM's `supports_fine_grained_hash_lookup`).
+    supports_fine_grained_hash_lookup: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -56,6 +71,9 @@ class SingleTypeKVCacheManager:
         self.num_cached_block: dict[str, int] = {}
         self.new_block_ids: list[int] | None = [] if record_new_block_ids else None
         self._null_block = block_pool.null_block
+        self.registers_partial_tails = False
+        self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
+        self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
 
     @property
     def cache_hit_alignment_tokens(self) -> int:
@@ -77,8 +95,11 @@ class SingleTypeKVCacheManager:
         apply_admission_cap: bool = False,
         num_tokens_main_model: int | None = None,
         prefill_end: int = 0,
+        num_local_computed_tokens: int = 0,
     ) -> int:
-        """Blocks to take from the free pool to hold `num_tokens`, counting evictable hits.
+        """Blocks to take from the free pool to hold `num_tokens`, counting evictable hits
+        (and the copy of a hit's shared tail, when `num_local_computed_tokens`, the prefix
+        hit, ends inside a block).
 
         `num_tokens_main_model` excludes lookahead (draft) slots and `prefill_end` is where the
         request's prefill ends; only Mamba "align" uses them.
@@ -100,6 +121,8 @@ class SingleTypeKVCacheManager:
         for block in new_computed_blocks[first_kept:]:
             if block.ref_cnt == 0 and block is not null_block:
                 num_evictable += 1
+        if new_computed_blocks and num_local_computed_tokens % self.block_size:
+            num_new += 1  # the shared tail's private copy
         return num_new + num_evictable
 
     # ------------------------------------------------------------------ allocation
@@ -127,6 +150,11 @@ class SingleTypeKVCacheManager:
             req_blocks.extend([self._null_block] * num_skipped_blocks)
         req_blocks.extend(kept)
         self.num_cached_block[request_id] = len(req_blocks)
+        if kept and num_local_computed_tokens % self.block_size:
+            # The hit ends inside its last block: the next allocation copies it (see above).
+            position = num_local_computed_tokens // self.block_size
+            self._partial_hit_reqs[request_id] = (position, kept[-1])
+            self.num_cached_block[request_id] = position
 
     def allocate_external_computed_blocks(
         self,
@@ -159,7 +187,10 @@ class SingleTypeKVCacheManager:
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None
     ) -> list[KVCacheBlock]:
-        """Append fresh blocks so the table covers `num_tokens`; return only the new ones."""
+        """Append fresh blocks so the table covers `num_tokens`; return only the new ones
+        (first the private copy of a sub-block hit's shared tail, if one is due)."""
+        if self._partial_hit_reqs and request_id in self._partial_hit_reqs:
+            return self._allocate_with_copy(request_id, num_tokens)
         req_blocks = self.req_to_blocks.get(request_id)
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request_id] = []
@@ -171,6 +202,49 @@ class SingleTypeKVCacheManager:
         if self.new_block_ids is not None:
             self.new_block_ids.extend(block.block_id for block in new_blocks)
         return new_blocks
+
+    def _allocate_with_copy(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """`allocate_new_blocks` for a request whose hit ends inside a block: the shared tail
+        is replaced in the table by a private copy first (counted by
+        `get_num_blocks_to_allocate`)."""
+        position, source = self._partial_hit_reqs.pop(request_id)
+        copy = self.block_pool.get_new_blocks(1)[0]
+        self._apply_cow(request_id, position, source, copy)
+        if self.new_block_ids is not None:
+            self.new_block_ids.append(copy.block_id)
+        req_blocks = self.req_to_blocks[request_id]
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return [copy]
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        req_blocks.extend(new_blocks)
+        if self.new_block_ids is not None:
+            self.new_block_ids.extend(block.block_id for block in new_blocks)
+        return [copy, *new_blocks]
+
+    def _apply_cow(
+        self, request_id: str, position: int, source: KVCacheBlock, copy: KVCacheBlock
+    ) -> None:
+        """Table `copy` at `position` instead of the shared `source` and queue the copy; both
+        keep a reference until it has run (`source` its hit's, `copy` one more)."""
+        req_blocks = self.req_to_blocks[request_id]
+        if req_blocks[position] is not source or source.ref_cnt <= 0:
+            raise InvariantViolation(
+                f"request {request_id!r}: position {position} no longer holds its hit's "
+                f"block {source.block_id}"
+            )
+        req_blocks[position] = copy
+        self._pending_cow_copies.append((source, copy))
+        copy.ref_cnt += 1
+
+    def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """Drain the `(source, copy)` pairs queued since the last call, oldest first; the
+        caller copies each source block's contents into its copy, then frees both once."""
+        pending = self._pending_cow_copies
+        if not pending:
+            return []
+        self._pending_cow_copies = []
+        return pending
 
     def take_new_block_ids(self) -> list[int]:
         """Drain the ids of blocks allocated since the last call (empty unless recording)."""
@@ -203,6 +277,8 @@ class SingleTypeKVCacheManager:
         num_cached = self.num_cached_block.get(request_id, 0)
         num_full = self.get_num_cacheable_blocks(request, num_tokens)
         if num_full <= num_cached:
+            if self.registers_partial_tails:
+                self._enter_prompt_tail(request, num_tokens)
             return
         self.block_pool.cache_full_blocks(
             request,
@@ -215,6 +291,24 @@ class SingleTypeKVCacheManager:
             self.reachable_block_mask(request, num_cached, num_full, replay_boundaries),
         )
         self.num_cached_block[request_id] = num_full
+        if self.registers_partial_tails:
+            self._enter_prompt_tail(request, num_tokens)
+
+    def _enter_prompt_tail(self, request: Request, num_tokens: int) -> None:
+        """Enter the last hash boundary a resend of the prompt can hit (all but its last token;
+        with EAGLE the whole prompt, as its hits drop a hash block) as a sub-block entry of
+        the block holding it, once `num_tokens` reach it (vLLM 0.33's full-attention rule)."""
+        hash_block_size = self.block_pool.hash_block_size
+        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        boundary = min(limit // hash_block_size, len(request.block_hashes)) * hash_block_size
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+            return
+        blocks = self.req_to_blocks[request.request_id]
+        position = boundary // self.block_size
+        if position < len(blocks):
+            self.block_pool.cache_partial_block(
+                request, blocks[position], boundary, self.kv_cache_group_id, self.block_size
+            )
 
     def reachable_block_mask(
         self,
@@ -239,12 +333,15 @@ class SingleTypeKVCacheManager:
         """Release the request's blocks, last block first (so a prefix's tail is evicted first)."""
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
+        if self._partial_hit_reqs:
+            self._partial_hit_reqs.pop(request_id, None)
         if blocks:
             self.block_pool.free_blocks(blocks[::-1])
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         """Forget the request's table and return its blocks (in order) for a deferred free."""
         self.num_cached_block.pop(request_id, None)
+        self._partial_hit_reqs.pop(request_id, None)
         return self.req_to_blocks.pop(request_id, [])
 
     def remove_skipped_blocks(
@@ -330,8 +427,14 @@ class SingleTypeKVCacheManager:
                         f"{block.ref_cnt}"
                     )
                 # Blocks past num_cached_block were allocated fresh for this request and are
-                # not cached yet. (Blocks before it may have lost their hash to evict_blocks.)
-                if index >= num_cached and block.block_hash is not None and block.ref_cnt == 1:
+                # not cached yet, but for a sub-block entry of the prompt's tail. (Blocks
+                # before it may have lost their hash to evict_blocks.)
+                if (
+                    index >= num_cached
+                    and block.block_hash is not None
+                    and block.ref_cnt == 1
+                    and block.hash_num_tokens >= (index + 1) * self.block_size
+                ):
                     raise InvariantViolation(
                         f"request {request_id!r}: block {block.block_id} at {index} >= "
                         f"num_cached_block {num_cached} is cached but held only by it"

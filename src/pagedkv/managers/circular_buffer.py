@@ -28,6 +28,7 @@ class CircularBufferManager(SingleTypeKVCacheManager):
         apply_admission_cap: bool = False,
         num_tokens_main_model: int | None = None,
         prefill_end: int = 0,
+        num_local_computed_tokens: int = 0,
     ) -> int:
         return 0 if self.req_to_blocks.get(request_id) else 1
 

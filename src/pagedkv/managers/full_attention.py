@@ -17,8 +17,40 @@ from pagedkv.specs import KVCacheSpec, cdiv
 _is_block = partial(is_not, None)  # a C-level "found" test for dict.get results
 
 
+def _extend_into_block(
+    computed: tuple[list[KVCacheBlock], ...],
+    block_hashes: Sequence[BlockHash],
+    max_length: int,
+    kv_cache_group_ids: Sequence[int],
+    block_pool: BlockPool,
+    hash_block_size: int,
+    block_size: int,
+    hit_length: int,
+) -> int:
+    """Phase two of a sub-block lookup: probe the hash boundaries inside the first block not
+    cached whole, longest first; a hit appends that block and returns its length."""
+    scale = block_size // hash_block_size
+    first = len(computed[0]) * scale
+    end = min(first + scale - 1, max_length // hash_block_size, len(block_hashes))
+    for index in range(end - 1, first - 1, -1):
+        cached = block_pool.get_cached_block(block_hashes[index], kv_cache_group_ids)
+        if cached is None:
+            continue
+        for group_hits, block in zip(computed, cached, strict=True):
+            group_hits.append(block)
+        return (index + 1) * hash_block_size
+    return hit_length
+
+
 class FullAttentionManager(SingleTypeKVCacheManager):
-    """Full (and MLA) attention. Hits are downward closed: any prefix of a hit is a hit."""
+    """Full (and MLA) attention. Hits are downward closed: any prefix of a hit is a hit.
+
+    With `alignment_tokens` below the block size (sub-block hits, which the hybrid coordinator
+    enables for Mamba "align" models), a hit may also end at a hash boundary inside the first
+    block that is not cached whole, where a sub-block entry of the prompt's tail was entered.
+    """
+
+    supports_fine_grained_hash_lookup = True
 
     @classmethod
     def find_longest_cache_hit(
@@ -53,15 +85,26 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 for group_hits, block in zip(computed, cached, strict=True):
                     group_hits.append(block)
         hit_length = len(computed[0]) * block_size
+        if alignment_tokens < block_size and block_size % alignment_tokens == 0:
+            hit_length = _extend_into_block(
+                computed,
+                block_hashes,
+                max_length,
+                kv_cache_group_ids,
+                block_pool,
+                alignment_tokens,
+                block_size,
+                hit_length,
+            )
         if drop_eagle_block and hit_length:
-            # EAGLE recomputes the tokens just before the generation point: drop a block.
+            # EAGLE recomputes the tokens just before the generation point: drop a hash block
+            # below a block (the tail block's KV is append-only, so it still covers the rest),
+            # else a block.
             hit_length -= min(alignment_tokens, block_size)
-            if hit_length % alignment_tokens == 0:
-                for group_hits in computed:
-                    del group_hits[hit_length // block_size :]
-        if alignment_tokens > block_size and hit_length % alignment_tokens:
-            hit_length = hit_length // alignment_tokens * alignment_tokens
-            num_kept = cdiv(hit_length, block_size)
+        if hit_length % alignment_tokens:
+            hit_length -= hit_length % alignment_tokens
+        num_kept = cdiv(hit_length, block_size)
+        if num_kept < len(computed[0]):
             for group_hits in computed:
                 del group_hits[num_kept:]
         return computed, hit_length

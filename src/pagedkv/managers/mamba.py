@@ -60,11 +60,16 @@ def is_prefill_checkpoint_valid(
     )
 
 
+_OWN = object()  # "the manager's own retention interval"
+
+
 class MambaManager(SingleTypeKVCacheManager):
     """What both Mamba modes share: only the state after the last computed token is needed,
     and a hit is the rightmost state cached at an aligned boundary (no EAGLE drop: draft
     models have no Mamba layers). `manager_class_for` picks a subclass by the spec's mode.
     """
+
+    supports_fine_grained_hash_lookup = True
 
     def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
@@ -87,11 +92,23 @@ class MambaManager(SingleTypeKVCacheManager):
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The rightmost state cached at an aligned boundary `<= max_length`, in every group.
 
-        Returns `[null] * i + [state]` per group and `(i + 1) * block_size` tokens.
+        Returns `[null] * i + [state]` per group and `(i + 1) * block_size` tokens. With
+        `alignment_tokens` below the block size (sub-block hits) every hash boundary is a
+        candidate: a state at `n` tokens sits at position `(n - 1) // block_size`.
         """
         block_size = kv_cache_spec.block_size
-        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
         null_block = block_pool.null_block
+        if alignment_tokens < block_size and block_size % alignment_tokens == 0:
+            hash_block_size = alignment_tokens
+            for index in range(min(max_length // hash_block_size, len(block_hashes)) - 1, -1, -1):
+                cached = block_pool.get_cached_block(block_hashes[index], kv_cache_group_ids)
+                if cached is None:
+                    continue
+                position = index * hash_block_size // block_size
+                num_tokens = (index + 1) * hash_block_size
+                return tuple([null_block] * position + [block] for block in cached), num_tokens
+            return tuple([] for _ in kv_cache_group_ids), 0
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
         for index in range(min(max_length // block_size, len(hashes)) - 1, -1, -1):
             cached = block_pool.get_cached_block(hashes[index], kv_cache_group_ids)
             if cached is None or (index + 1) * block_size % alignment_tokens:
@@ -127,6 +144,7 @@ class MambaNoCacheManager(MambaManager):
         apply_admission_cap: bool = False,
         num_tokens_main_model: int | None = None,
         prefill_end: int = 0,
+        num_local_computed_tokens: int = 0,
     ) -> int:
         num_tokens += self.block_size * self.num_speculative_blocks
         return super().get_num_blocks_to_allocate(
@@ -172,7 +190,13 @@ class MambaAlignManager(MambaManager):
     offers made between steps, by `cache_blocks` from `update_from_output`, wait for the next
     take); freeing a request withdraws its offers, as its blocks go back to the pool.
 
-    Not implemented: sub-block (partial) hits and their copy-on-write.
+    Sub-block (partial) hits (vLLM 0.33; the hybrid coordinator enables them when every
+    cacheable group can look up at hash-block granularity): a hit may resume at any hash
+    boundary, the state there sitting in the block of its position; a hit that ends inside a
+    block is copied into a private block (the base class's copy-on-write). The state at the
+    prompt's last reusable hash boundary is entered as a sub-block entry of the block holding
+    it; a running request that entered one stays on its block and the cache's keys move to a
+    copy (`_preserve_own_tail`).
     """
 
     def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
@@ -193,6 +217,12 @@ class MambaAlignManager(MambaManager):
         self._checkpoints: dict[str, tuple[int, int]] = {}
         self.record_boundary_state_offloads = False
         self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
+        # vLLM's `enable_mamba_shared_prefix_checkpoint`, narrowed by the KVCacheManager: also
+        # enter the state at an observed shared-prefix junction as a sub-block entry.
+        self.shared_prefix_checkpoint = False
+        # Requests that entered their own prompt's tail state as a sub-block entry (request ->
+        # (block, boundary tokens)): the copy made before their next step preserves it.
+        self._producer_partial_tail_reqs: dict[str, tuple[KVCacheBlock, int]] = {}
 
     def _needs_internal_checkpoint(
         self, request_id: str, query_start: int, query_end: int, position: int, prefill_end: int
@@ -238,9 +268,11 @@ class MambaAlignManager(MambaManager):
         apply_admission_cap: bool = False,
         num_tokens_main_model: int | None = None,
         prefill_end: int = 0,
+        num_local_computed_tokens: int = 0,
     ) -> int:
-        """Blocks this step takes: at most one (plus the speculative ones the first time, and
-        a prefill checkpoint's), recording the step's checkpoint unless `apply_admission_cap`.
+        """Blocks this step takes: at most one (plus the speculative ones the first time, a
+        prefill checkpoint's, and a sub-block hit's copy), recording the step's checkpoint
+        unless `apply_admission_cap`.
 
         Lookahead (draft) tokens get no state block: draft models have no Mamba layers.
         """
@@ -258,6 +290,11 @@ class MambaAlignManager(MambaManager):
             - len(new_computed_blocks)
             - len(req_blocks)
         )
+        has_partial_hit = bool(
+            new_computed_blocks and num_local_computed_tokens % self.block_size
+        ) or (bool(self._partial_hit_reqs) and request_id in self._partial_hit_reqs)
+        if has_partial_hit:
+            num_new = max(num_new, 0) + 1
         checkpoint_block = 0
         if self.has_prefill_checkpoint_blocks:
             position = self._checkpoint_position(num_tokens)
@@ -272,7 +309,7 @@ class MambaAlignManager(MambaManager):
                 self._checkpoints.pop(request_id, None)
         if num_new > 0:
             cap = 1 if request_id in self._allocated_block_reqs else 1 + self.num_speculative_blocks
-            num_new = min(num_new, cap + checkpoint_block)
+            num_new = min(num_new, cap + has_partial_hit + checkpoint_block)
         null_block = self._null_block
         num_evictable = sum(
             1 for block in new_computed_blocks if block.ref_cnt == 0 and block is not null_block
@@ -293,7 +330,8 @@ class MambaAlignManager(MambaManager):
         num_spec = self.num_speculative_blocks
         num_required = cdiv(num_tokens, self.block_size) + num_spec
         checkpoint_block = 1 if request_id in self._checkpoints else 0
-        if num_required <= len(req_blocks) and not checkpoint_block:
+        partial_hit = self._partial_hit_reqs.pop(request_id, None)
+        if num_required <= len(req_blocks) and partial_hit is None and not checkpoint_block:
             self._allocated_block_reqs.add(request_id)
             return EMPTY_BLOCK_LIST
         num_before = len(req_blocks)
@@ -315,12 +353,40 @@ class MambaAlignManager(MambaManager):
                 req_blocks.append(req_blocks[index])
                 req_blocks[index] = null_block
         num_new = max(num_required - len(req_blocks), 0)
+        if partial_hit is not None:
+            num_new += 1  # the shared state's private copy
         returned = req_blocks[num_before:]
         new_blocks = self.block_pool.get_new_blocks(num_new)
+        if partial_hit is not None:
+            position, source = partial_hit
+            copy = new_blocks.pop(0)
+            if allocated_before:
+                self._preserve_own_tail(request_id, source, copy)
+            else:
+                self._apply_cow(request_id, position, source, copy)
+                returned.insert(0, copy)
         req_blocks.extend(new_blocks)
         self._allocated_block_reqs.add(request_id)
         returned.extend(new_blocks)
         return returned
+
+    def _preserve_own_tail(self, request_id: str, source: KVCacheBlock, copy: KVCacheBlock) -> None:
+        """A running request's own sub-block entry: its table only grows, so it stays on
+        `source` (which its next step overwrites) and the cache's keys move to `copy`, which
+        the queued copy fills first. `source` keeps one more reference until then; `copy` is
+        held by the copy alone."""
+        self.block_pool.move_block_hashes(source, copy)
+        self._pending_cow_copies.append((source, copy))
+        source.ref_cnt += 1
+        producer_tail = self._producer_partial_tail_reqs.pop(request_id, None)
+        if producer_tail is not None and self.record_boundary_state_offloads:
+            # The copy preserves the producer's boundary state: a connector may offload it.
+            self._pending_boundary_state_offloads.append(
+                (request_id, self.kv_cache_group_id, copy, producer_tail[1])
+            )
+        if copy.block_hash is not None:
+            # Filled only when this step runs: no same-step hit may use it.
+            self.cached_hashes_this_step.add(copy.block_hash)
 
     def remove_skipped_blocks(
         self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -360,15 +426,16 @@ class MambaAlignManager(MambaManager):
     def cache_blocks(
         self, request: Request, num_tokens: int, replay_boundaries: Sequence[int] = ()
     ) -> None:
-        """Cache the full state blocks, remembering their hashes for the same-step rule; keep
-        the step's prefill checkpoint cached only where a later hit can resume at it."""
+        """Cache the full state blocks, remembering their hashes for the same-step rule; then
+        the step's prefill checkpoint (where a later hit can resume at it) or the prompt's
+        tail state as a sub-block entry (`_cache_partial_tail_block`)."""
         request_id = request.request_id
         num_before = self.num_cached_block.get(request_id, 0)
         super().cache_blocks(request, num_tokens, replay_boundaries)
-        checkpoint = self._checkpoints.get(request_id)
-        if checkpoint is not None:
-            self._cache_checkpoint(request, *checkpoint)
         num_after = self.num_cached_block.get(request_id, 0)
+        partial_hash = self._cache_partial_tail_block(request, num_tokens)
+        if partial_hash is not None:
+            self.cached_hashes_this_step.add(partial_hash)
         if num_after > num_before:
             null_block = self._null_block
             offers = (
@@ -382,15 +449,105 @@ class MambaAlignManager(MambaManager):
                 if block is not null_block and block.block_hash is not None:
                     self.cached_hashes_this_step.add(block.block_hash)
                     if offers is not None:
-                        # Position index holds the state after its block's last token.
+                        # The exact boundary the block's state is at.
                         offers.append(
-                            (
-                                request_id,
-                                self.kv_cache_group_id,
-                                block,
-                                (index + 1) * self.block_size,
-                            )
+                            (request_id, self.kv_cache_group_id, block, block.hash_num_tokens)
                         )
+
+    def _cache_partial_tail_block(
+        self, request: Request, num_tokens: int, retention_interval: object = _OWN
+    ) -> BlockHash | None:
+        """Key the step's checkpoint block at its boundary (or evict it if it is transient);
+        without a checkpoint, enter the state at the prompt's last reusable hash boundary (or
+        at the shared-prefix junction) as a sub-block entry of the block holding it. Returns
+        the key entered, if any (vLLM 0.33's rules; vLLM's tests pass `retention_interval`,
+        which defaults to the manager's)."""
+        interval = self.retention_interval if retention_interval is _OWN else retention_interval
+        request_id = request.request_id
+        blocks = self.req_to_blocks[request_id]
+        pool = self.block_pool
+        checkpoint = self._checkpoints.get(request_id)
+        if checkpoint is not None:
+            position, column = checkpoint
+            block = blocks[column]
+            is_prompt_checkpoint = position == self._checkpoint_position(request.num_prompt_tokens)
+            is_retained = position % self.block_size == 0 and self._keeps_state_at(
+                position // self.block_size - 1, cast("int | None", interval)
+            )
+            if (
+                not is_prompt_checkpoint
+                and not is_retained
+                and position != request.shared_prefix_boundary
+            ):
+                # The transient state is overwritten in this block: no hit may resume at it.
+                pool._maybe_evict_cached_block(block)
+                return None
+            if block.block_hash_num_tokens == position:
+                return None
+            return pool.cache_partial_block(
+                request,
+                block,
+                position,
+                self.kv_cache_group_id,
+                self.block_size,
+                replace_existing_hashes=True,
+            )
+        hash_block_size = pool.hash_block_size
+        if num_tokens <= 0 or num_tokens % hash_block_size:
+            return None
+        prompt_boundary = prefill_checkpoint_position(
+            request.num_prompt_tokens,
+            hash_block_size,
+            self.drop_eagle_checkpoint_block,
+            pool.num_hash_lookahead_tokens,
+        )
+        # The junction is the other position a sibling resumes at; only within the prompt
+        # chunk being computed (a decode step overwrites the running state block in place).
+        if num_tokens != prompt_boundary and not (
+            self.shared_prefix_checkpoint
+            and num_tokens == request.shared_prefix_boundary
+            and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens
+        ):
+            return None
+        position = cdiv(num_tokens, self.block_size) - 1
+        if position >= len(blocks):
+            return None
+        source = blocks[position]
+        if source is self._null_block or source.block_hash_num_tokens == num_tokens:
+            return None
+        partial_hash = pool.cache_partial_block(
+            request, source, num_tokens, self.kv_cache_group_id, self.block_size
+        )
+        if partial_hash is not None and num_tokens % self.block_size:
+            # The state lives in `source`, which the request's next step overwrites: that
+            # allocation copies it out first (`_preserve_own_tail`).
+            self._partial_hit_reqs[request_id] = (position, source)
+            self.num_cached_block[request_id] = position
+            self._producer_partial_tail_reqs[request_id] = (source, num_tokens)
+        return partial_hash
+
+    def _keeps_state_at(self, position: int, interval: int | None) -> bool:
+        """Whether retention `interval` keeps the state ending block `position` (the
+        interval's segment states only; no replay boundaries)."""
+        if interval is None:
+            return True
+        per_segment = interval // self.block_size
+        if interval and per_segment <= 1:
+            return True
+        return bool(interval) and (position + 1) % per_segment == 0
+
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> tuple[int, KVCacheBlock, int] | None:
+        """A finishing producer's own tail state, if no later token was forwarded over it:
+        `(group_id, block, boundary_tokens)` for a connector to offload before the free."""
+        producer_tail = self._producer_partial_tail_reqs.pop(request_id, None)
+        if producer_tail is None:
+            return None
+        block, boundary_tokens = producer_tail
+        if num_in_flight_tokens != 0 or num_computed_tokens != boundary_tokens:
+            return None
+        return self.kv_cache_group_id, block, boundary_tokens
 
     def take_pending_boundary_state_offloads(self) -> list[tuple[str, int, KVCacheBlock, int]]:
         """Drain the boundary states offered since the last call, oldest first."""
@@ -404,33 +561,6 @@ class MambaAlignManager(MambaManager):
             self._pending_boundary_state_offloads = [
                 offer for offer in self._pending_boundary_state_offloads if offer[0] != request_id
             ]
-
-    def _cache_checkpoint(self, request: Request, position: int, column: int) -> None:
-        """Register the checkpoint block at `position`, or evict it if it is transient."""
-        block = self.req_to_blocks[request.request_id][column]
-        is_prompt_checkpoint = position == self._checkpoint_position(request.num_prompt_tokens)
-        is_retained = True
-        if self.retention_interval is not None:
-            # The interval's segment states only (vLLM passes no replay boundaries here).
-            mask = self.reachable_block_mask(request, column, column + 1, ())
-            is_retained = mask is None or mask[0]
-        junction = request.shared_prefix_boundary
-        if not is_prompt_checkpoint and not is_retained and position != junction:
-            # The transient state is overwritten in this block: no hit may resume at it.
-            self.block_pool._maybe_evict_cached_block(block)
-            return
-        hashes = self.resolve_hashes(request.block_hashes)
-        if block.block_hash is None and column < len(hashes):
-            # Masked out by sparse retention, yet reusable: cache it alone.
-            self.block_pool.cache_full_blocks(
-                request,
-                self.req_to_blocks[request.request_id],
-                hashes,
-                column,
-                column + 1,
-                self.block_size,
-                self.kv_cache_group_id,
-            )
 
     def reachable_block_mask(
         self,
@@ -472,6 +602,7 @@ class MambaAlignManager(MambaManager):
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         self._withdraw_offers(request_id)
+        self._producer_partial_tail_reqs.pop(request_id, None)
         self._checkpoints.pop(request_id, None)
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
@@ -480,6 +611,7 @@ class MambaAlignManager(MambaManager):
 
     def free(self, request_id: str) -> None:
         self._withdraw_offers(request_id)
+        self._producer_partial_tail_reqs.pop(request_id, None)
         self._checkpoints.pop(request_id, None)
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)

@@ -8,7 +8,6 @@ vLLM's), statistics as vLLM's `PrefixCacheStats`, events as vLLM's event types.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 from vllm.distributed.kv_events import BlockStored as VllmBlockStored
@@ -26,7 +25,7 @@ from vllm.v1.request import RequestStatus as VllmStatus
 
 from pagedkv.block import KVCacheBlock
 from pagedkv.coordinators.hybrid import HybridKVCacheCoordinator
-from pagedkv.errors import ConfigError
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.integrations.vllm.config import as_vllm_int, check_as_vllm, translate_config
 from pagedkv.integrations.vllm.events import to_vllm_events
 from pagedkv.integrations.vllm.kv_hints import KvHintReader
@@ -44,8 +43,6 @@ from pagedkv.managers import MambaAlignManager
 from pagedkv.request import Request as PagedKVRequest
 from pagedkv.request import RequestStatus
 
-logger = logging.getLogger(__name__)
-
 
 def _event_metadata(kv_cache_config: KVCacheConfig) -> tuple[tuple[str, int | None], ...]:
     """Per group, the spec kind and window vLLM annotates its `BlockStored` events with (its
@@ -57,6 +54,11 @@ def _event_metadata(kv_cache_config: KVCacheConfig) -> tuple[tuple[str, int | No
         )
         for group in kv_cache_config.kv_cache_groups
     )
+
+
+class TruncationError(InvalidArgumentError, AssertionError):
+    """`truncate_computed_blocks` past what a hit covers; an `AssertionError` too, the type
+    vLLM's manager refuses it with."""
 
 
 class PagedKVCacheManager:
@@ -147,14 +149,17 @@ class PagedKVCacheManager:
         self.metrics_collector = metrics_collector
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.hash_block_size = hash_block_size
-        # pagedkv has no sub-block hash hits, which the shared-prefix checkpoint needs: off, as
-        # vLLM narrows it when its coordinator has none (`enable_partial_hash_hits`).
-        self.mamba_shared_prefix_checkpoint = False
-        if enable_mamba_shared_prefix_checkpoint:
-            logger.warning(
-                "enable_mamba_shared_prefix_checkpoint=True is ignored: pagedkv has no sub-block "
-                "hash hits, which the checkpoint needs (vLLM turns it off without them too)"
-            )
+        # vLLM's narrowing: an EAGLE Mamba "align" model with sub-block hits, and no
+        # re-prefillable tokens (multi-module MTP caches less than the chunk end).
+        coordinator = self.core.coordinator
+        self.mamba_shared_prefix_checkpoint = bool(
+            enable_mamba_shared_prefix_checkpoint
+            and coordinator.eagle_group_ids
+            and coordinator.enable_partial_hash_hits
+            and coordinator.num_reprefillable_tokens == 0
+        )
+        for manager in self._offering_managers:
+            manager.shared_prefix_checkpoint = self.mamba_shared_prefix_checkpoint
         groups = kv_cache_config.kv_cache_groups
         self.num_kv_cache_groups = len(groups)
         self.coordinator = CoordinatorView.for_coordinator(
@@ -276,13 +281,19 @@ class PagedKVCacheManager:
                 continue
             block_size = self.core.coordinator.single_type_managers[group_id].block_size
             if num_computed_tokens % block_size:
-                raise ConfigError(
+                raise TruncationError(
                     f"cannot truncate a hit at {num_computed_tokens} tokens: not a multiple of "
                     f"group {group_id}'s block size {block_size}"
                 )
             num_blocks = num_computed_tokens // block_size
             if self._is_mamba[group_id]:
+                # An external hit may supply the last Mamba state past the local one.
                 num_blocks = min(num_blocks, len(group_blocks))
+            elif num_blocks > len(group_blocks):
+                raise TruncationError(
+                    f"cannot truncate a hit at {num_computed_tokens} tokens: group {group_id} "
+                    f"has only {len(group_blocks)} hit blocks of {block_size} tokens"
+                )
             truncated.append(list(group_blocks[:num_blocks]))
         return self.core.create_kv_cache_blocks(tuple(truncated))
 
@@ -440,8 +451,12 @@ class PagedKVCacheManager:
         self.core.record_blocks_for_zeroing(request_id, start_token)
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
-        """No copy-on-write: pagedkv never hits inside a block."""
-        return [], []
+        """The copies sub-block hits queued (vLLM's type) and their retained ends, which the
+        scheduler frees once the step that runs the copies is done."""
+        copies, retained = self.core.take_kv_cache_block_copies()
+        if not copies:
+            return [], []
+        return [KVCacheBlockCopy(copy.src_block_id, copy.dst_block_id) for copy in copies], retained
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """This step's Mamba "align" boundary states for a KV connector, as vLLM's:
@@ -460,4 +475,14 @@ class PagedKVCacheManager:
         return offloads
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        return []
+        """A finishing request's own tail states a connector may still offload (vLLM 0.33):
+        `[(group_id, block_id, boundary_tokens)]`."""
+        offloads: list[tuple[int, int, int]] = []
+        for manager in self._offering_managers:
+            finalized = manager.finalize_partial_tail_offload(
+                request.request_id, request.num_computed_tokens, request.num_in_flight_tokens
+            )
+            if finalized is not None:
+                group_id, block, boundary_tokens = finalized
+                offloads.append((group_id, block.block_id, boundary_tokens))
+        return offloads

@@ -50,6 +50,17 @@ class ManagerView:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._manager, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The view's own attributes stay here; anything else a caller sets (vLLM's tests set
+        # `use_eagle`, or wrap `cache_blocks` in a spy) is set on the manager, which acts on it.
+        if name in _VIEW_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._manager, name, value)
+
+
+_VIEW_ATTRIBUTES = frozenset({"_manager", "kv_cache_spec", "block_size", "kv_cache_group_id"})
+
 
 def _view_class(vllm_class: type) -> type[ManagerView]:
     # vLLM's class name: code that reports or compares `type(manager).__name__` sees vLLM's.
@@ -85,9 +96,6 @@ class CoordinatorView:
 
     `for_coordinator` picks the subclass registered as the matching vLLM coordinator class.
     """
-
-    # pagedkv has no sub-block (partial) hash hits.
-    enable_partial_hash_hits = False
 
     def __init__(
         self,
@@ -155,6 +163,7 @@ class CoordinatorView:
             apply_admission_cap,
             num_tokens_main_model,
             prefill_end,
+            num_local_computed_tokens,
         )
 
 
@@ -384,6 +393,13 @@ class BlockPoolView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._block_pool, name)
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
+    ) -> list[BlockView] | None:
+        """vLLM's lookup: the first block under the hash in each group (as `BlockView`s)."""
+        blocks = self._block_pool.get_cached_block(block_hash, kv_cache_group_ids)
+        return None if blocks is None else [BlockView(block) for block in blocks]
 
     def cache_full_blocks(
         self,
