@@ -42,6 +42,29 @@ def test_store_shape_and_memory_follow_the_spec():
     assert store.memory_bytes == 2 * 10 * page_size
 
 
+def test_block_copies_copy_every_layers_page_in_order():
+    store = make_store(num_blocks=6, num_layers=2)
+    for layer, kv in store.kv_caches.items():
+        for block_id in range(1, 6):
+            kv[block_id].fill_(10 * block_id + int(layer[-1]))
+    store.copy_blocks([(2, 4), (4, 5)])  # the second copy sees the first's result
+    for layer, kv in store.kv_caches.items():
+        layer_id = int(layer[-1])
+        assert [int(kv[b].flatten()[0]) for b in range(1, 6)] == [
+            10 + layer_id,
+            20 + layer_id,
+            30 + layer_id,
+            20 + layer_id,
+            20 + layer_id,
+        ]
+        assert bool((kv[4] == kv[2]).all())
+    with pytest.raises(InvalidArgumentError, match="block 0 is not in"):
+        store.copy_blocks([(0, 3)])
+    with pytest.raises(InvalidArgumentError, match=r"block 6 is not in \[1, 6\)"):
+        store.copy_blocks([(1, 6)])
+    assert int(store.kv_caches["layer0"][3].flatten()[0]) == 30  # a refused call copies nothing
+
+
 def test_store_rejects_mismatched_dtype_and_non_attention_specs():
     spec = FullAttentionSpec(BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, 2)
     config = KVCacheConfig(4, (KVCacheGroupSpec(("l",), spec),))

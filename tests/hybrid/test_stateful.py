@@ -1,6 +1,8 @@
 """Random lookups, admissions, chunked prefills, decodes, frees, preemptions, evictions and
 resets on a hybrid model (full attention + sliding window + Mamba "align", three block sizes'
-worth of alignment), with every invariant checked after each step."""
+worth of alignment), with every invariant checked after each step. The Mamba blocks are larger
+than a hash block and every other group can look up finely, so sub-block hits are on: hits end
+on any hash block, and a hit (or a chunk) ending inside a block is copied."""
 
 from __future__ import annotations
 
@@ -14,8 +16,7 @@ from tests.support.hybrid import full, make_manager, make_request, mamba, swa
 
 NUM_BLOCKS = 32
 MAX_MODEL_LEN = 96
-HASH_BLOCK_SIZE = 4
-ALIGNMENT = 8  # LCM of the block sizes 8, 4, 8
+HASH_BLOCK_SIZE = 4  # where hits end (sub-block hits)
 WINDOW = 12
 WINDOW_BLOCKS = cdiv(WINDOW - 1, 4)  # cached blocks a window hit ends with
 PREFIXES = [list(range(100 + 50 * i, 140 + 50 * i)) for i in range(3)]
@@ -34,10 +35,12 @@ class HybridMachine(RuleBasedStateMachine):
         )
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.prompts: list[list[int]] = []
         self.num_requests = 0
 
     def _new_request(self, prefix: int, prefix_len: int, suffix: list[int]) -> Request:
         tokens = (PREFIXES[prefix][:prefix_len] + suffix) or [7]
+        self.prompts.append(tokens)
         self.num_requests += 1
         return make_request(f"r{self.num_requests}", tokens, HASH_BLOCK_SIZE)
 
@@ -47,22 +50,30 @@ class HybridMachine(RuleBasedStateMachine):
         free_before = manager.block_pool.free_block_ids()
         hit_blocks, num_hit, _ = manager.get_computed_blocks(request)
         assert manager.block_pool.free_block_ids() == free_before
-        assert num_hit % ALIGNMENT == 0 and num_hit <= max(request.num_tokens - 1, 0)
+        assert num_hit % HASH_BLOCK_SIZE == 0 and num_hit <= max(request.num_tokens - 1, 0)
         full_hits, window_hits, mamba_hits = hit_blocks.blocks
         hashes = request.block_hashes
-        assert len(full_hits) == num_hit // 8
-        for position, block in enumerate(full_hits):
-            assert block.block_hash == hashes[2 * position + 1]
+        pool = manager.block_pool
+        assert len(full_hits) == cdiv(num_hit, 8)
+        for position in range(num_hit // 8):
+            assert full_hits[position].block_hash == hashes[2 * position + 1]
+        if num_hit % 8:
+            # The hit ends inside the last block: a sub-block entry there, or a full block the
+            # reconciled hit was cut back into (any prefix of a full-attention hit is one).
+            last = full_hits[-1]
+            assert last in pool.get_cached_blocks(hashes[num_hit // 4 - 1], 0) or (
+                last.block_hash == hashes[2 * len(full_hits) - 1]
+            )
         assert len(window_hits) == num_hit // 4
         num_real = min(WINDOW_BLOCKS, len(window_hits))
         assert all(b.is_null for b in window_hits[: len(window_hits) - num_real])
         for position in range(len(window_hits) - num_real, len(window_hits)):
             assert window_hits[position].block_hash == hashes[position]
-        assert len(mamba_hits) == num_hit // 8
+        # The state at num_hit tokens, in the block of its position.
+        assert len(mamba_hits) == cdiv(num_hit, 8)
         if mamba_hits:
             assert all(b.is_null for b in mamba_hits[:-1])
-            state = mamba_hits[-1]
-            assert state.block_hash == hashes[2 * len(mamba_hits) - 1]
+            assert mamba_hits[-1] in pool.get_cached_blocks(hashes[num_hit // 4 - 1], 2)
         return hit_blocks, num_hit
 
     def _admit(self, request: Request, chunk: int) -> bool:
@@ -73,10 +84,18 @@ class HybridMachine(RuleBasedStateMachine):
             assert self.manager.get_block_ids(request.request_id) == ([], [], [])
             assert self.manager.block_pool.get_num_free_blocks() == free_before
             return False
+        self._run_copies()
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit + num_new
         self.running.append(request)
         return True
+
+    def _run_copies(self) -> None:
+        """The worker copies the step's shared blocks, then their ends are released."""
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        assert len(retained) == 2 * len(copies)
+        self.manager.check_invariants(retained)
+        self.manager.block_pool.free_blocks(retained)
 
     @rule(
         prefix=st.integers(0, 2),
@@ -87,6 +106,30 @@ class HybridMachine(RuleBasedStateMachine):
     def arrive(self, prefix: int, prefix_len: int, suffix: list[int], chunk: int) -> None:
         """A new request is looked up and admitted in the current step, or waits."""
         request = self._new_request(prefix, prefix_len, suffix)
+        if not self._admit(request, chunk):
+            self.waiting.append(request)
+
+    @rule(
+        prefix=st.integers(0, 2),
+        prefix_len=st.integers(5, 40),
+        suffix=st.lists(st.integers(0, 3), max_size=12),
+    )
+    def arrive_to_tail(self, prefix: int, prefix_len: int, suffix: list[int]) -> None:
+        """A new request whose first chunk ends at its prompt's last reusable hash boundary,
+        where its state is entered (inside a Mamba block unless the boundary is aligned)."""
+        request = self._new_request(prefix, prefix_len, suffix)
+        boundary = (request.num_tokens - 1) // HASH_BLOCK_SIZE * HASH_BLOCK_SIZE
+        if not self._admit(request, boundary or request.num_tokens):
+            self.waiting.append(request)
+
+    @precondition(lambda self: self.prompts)
+    @rule(index=st.integers(0, 15), extra=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def arrive_sibling(self, index: int, extra: list[int], chunk: int = 48) -> None:
+        """A request extending an earlier prompt: it can hit where that prompt's tail was
+        entered (inside a block: a sub-block hit and a copy)."""
+        self.num_requests += 1
+        tokens = self.prompts[index % len(self.prompts)] + extra
+        request = make_request(f"r{self.num_requests}", tokens, HASH_BLOCK_SIZE)
         if not self._admit(request, chunk):
             self.waiting.append(request)
 
@@ -117,6 +160,7 @@ class HybridMachine(RuleBasedStateMachine):
         if self.manager.allocate_slots(request, num_new) is None:
             self._preempt(request)
             return
+        self._run_copies()
         request.num_computed_tokens += num_new
 
     @precondition(lambda self: self.running)
@@ -190,5 +234,5 @@ class HybridMachine(RuleBasedStateMachine):
 
 TestHybridStateMachine = HybridMachine.TestCase
 TestHybridStateMachine.settings = settings(
-    derandomize=True, max_examples=25, stateful_step_count=40, deadline=None
+    derandomize=True, max_examples=100, stateful_step_count=40, deadline=None
 )

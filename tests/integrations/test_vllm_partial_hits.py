@@ -168,7 +168,8 @@ def full_attention_tail_scenario(cls, transcript):
     # is entered inside a block and a sibling's hit ends there (copied, as Mamba's).
     manager = make(cls, 30, [full(4), mamba(8)], 2)
     producer = request("p", range(11), 2)
-    step(manager, producer, 11, transcript)
+    step(manager, producer, 10, transcript)  # the chunk ends at the prompt's tail boundary
+    step(manager, producer, 1, transcript, lookup=False)
     transcript.append(("events", event_summary(manager)))
     manager.free(producer)
     sibling = request("s", [*range(10), 70, 71, 72], 2)
@@ -206,6 +207,10 @@ def test_blocks_with_several_keys_are_evicted_like_vllms():
 def test_full_attention_sub_block_hits_are_vllms():
     reference, paged = run_both(full_attention_tail_scenario)
     assert paged == reference
+    hits = [entry[1] for entry in paged if entry[0] == "hit"]
+    assert hits == [0, 10]  # inside the third full-attention block and the second Mamba one
+    copies = [entry[1] for entry in paged if entry[0] == "copies" and entry[1]]
+    assert len(copies) == 2 and len(copies[1]) == 2  # the producer's own tail; both groups
 
 
 def test_partial_hits_are_off_where_a_group_cannot_look_up_finely():

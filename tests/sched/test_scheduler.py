@@ -18,6 +18,9 @@ from pagedkv import (
 )
 from pagedkv.errors import ConfigError, RequestStateError
 from pagedkv.sched import PriorityPolicy, Scheduler, SchedulerConfig
+from tests.support.hybrid import config as hybrid_config
+from tests.support.hybrid import full, mamba
+from tests.support.hybrid import make_request as hybrid_request
 
 BLOCK_SIZE = 4
 HASHER = make_request_block_hasher(BLOCK_SIZE)
@@ -440,3 +443,23 @@ def test_batched_decode_equals_one_call_per_request(seed):
         outputs.append(steps)
     assert outputs[0] == outputs[1]
     assert any(preempted for _, _, preempted, _ in outputs[0])
+
+
+def test_block_copies_of_sub_block_hits_reach_the_output_and_are_released():
+    # Full attention at 2 tokens a block and Mamba "align" at 4 (sub-block hits on): a 6-token
+    # chunk ends inside a Mamba block, whose state the next step would overwrite, so that step
+    # copies it into a block the cache keeps (the scenario of tests/hybrid/test_partial_hits.py).
+    manager = KVCacheManager(hybrid_config(24, full(2), mamba(4)), 24, hash_block_size=2)
+    scheduler = Scheduler(manager, SchedulerConfig(max_num_batched_tokens=6))
+    scheduler.add_request(hybrid_request("p", [0, 0, 1, 1, 2, 2, 3], 2))
+    first, _ = step(scheduler)
+    assert first.kv_cache_block_copies == []
+    output = scheduler.schedule()
+    assert output.kv_cache_block_copies == [(4, 6)]  # block 5 went to full attention
+    # Until the step ran, both ends stay held outside any table (the check counts them).
+    assert [manager.block_pool.blocks[i].ref_cnt for i in (4, 6)] == [2, 1]
+    scheduler.check_invariants()
+    scheduler.update_from_output(output, sampled_for(output))
+    assert [manager.block_pool.blocks[i].ref_cnt for i in (4, 6)] == [1, 0]
+    assert manager.block_pool.blocks[6].block_hash_num_tokens == 6  # the cache's copy
+    scheduler.check_invariants()

@@ -241,6 +241,8 @@ class LLMEngine:
             stats.num_prefix_queried_tokens += prefix_stats.queries
         for request_id in out.preempted_request_ids:  # their blocks are gone
             self._tables.pop(request_id, None)
+        # Hits that end inside a block continue in private copies: copy before the forward.
+        self.runner.store.copy_blocks(out.kv_cache_block_copies)
         sampled: dict[str, list[int]] = {}
         if out.scheduled:
             sampled = self._execute(out.scheduled)

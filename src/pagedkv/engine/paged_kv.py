@@ -118,6 +118,24 @@ class PagedKVStore:
         """Store `key`/`value` (`[num_tokens, num_kv_heads, head_dim]`) at their slots."""
         write_kv_torch(self.kv_caches[layer_name], key, value, slot_mapping)
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Run a step's block copies (`(src_block_id, dst_block_id)` pairs, the scheduler's
+        `kv_cache_block_copies`) in every layer, in order: a hit that ends inside a block goes
+        on in a private copy of it. A block belongs to one group at a time, so copying it in
+        other groups' layers (or twice through an aliased buffer) is harmless."""
+        if not copies:
+            return
+        for src, dst in copies:
+            for block_id in (src, dst):
+                if not 0 < block_id < self.num_blocks:
+                    raise InvalidArgumentError(
+                        f"block copy {src} -> {dst}: block {block_id} is not in "
+                        f"[1, {self.num_blocks})"
+                    )
+        for kv in self.kv_caches.values():
+            for src, dst in copies:
+                kv[dst].copy_(kv[src])
+
     def read_tokens(
         self, layer_name: str, block_ids: Sequence[int], num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from pagedkv.block import KVCacheBlock
 from pagedkv.errors import ConfigError, InvariantViolation
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request, RequestStatus
@@ -59,9 +60,11 @@ def check_scheduler_state(
     step_records: Sequence[StepRecord],
     config: SchedulerConfig,
     manager: KVCacheManager,
+    held_outside: Sequence[KVCacheBlock] = (),
 ) -> None:
     """Check `Scheduler`'s invariants (its docstring) over its queues, the last step's limits
-    and the manager; raise `InvariantViolation` on the first broken one."""
+    and the manager (`held_outside`: the ends of the step's block copies, released by
+    `update_from_output`); raise `InvariantViolation` on the first broken one."""
     running_ids = [request.request_id for request in running]
     waiting = list(waiting_queue)
     waiting_ids = [request.request_id for request in waiting]
@@ -102,4 +105,4 @@ def check_scheduler_state(
             )
         if len(record.scheduled_request_ids) > config.max_num_seqs:
             raise InvariantViolation(f"step {record.step_index} exceeds max_num_seqs")
-    manager.check_invariants()
+    manager.check_invariants(held_outside)

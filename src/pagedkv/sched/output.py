@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedkv.block import KVCacheBlock
+from pagedkv.kv_cache_blocks import KVCacheBlockCopy
 from pagedkv.request import Request
 
 
@@ -91,6 +92,9 @@ class SchedulerOutput:
     # (request id, tokens) of loads from the host-memory tier started this step: the request
     # waits (holding its blocks) until the caller reports the load done (`complete_kv_loads`).
     kv_loads_started: list[tuple[str, int]] = field(default_factory=list)
+    # Block copies to run before the step's forward (hits ending inside a block; vLLM 0.33's
+    # `kv_cache_block_copies`): each `src_block_id`'s KV into its `dst_block_id`.
+    kv_cache_block_copies: list[KVCacheBlockCopy] = field(default_factory=list)
 
 
 @dataclass(slots=True)

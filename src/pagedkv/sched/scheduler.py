@@ -104,6 +104,8 @@ class Scheduler:
         self.step_records: list[StepRecord] = []
         self._stop_token_ids = frozenset(config.stop_token_ids)
         self._pending: SchedulerOutput | None = None
+        # The ends of the pending step's block copies (sub-block hits): held until it ran.
+        self._copy_retained: list[KVCacheBlock] = []
         self._kv_loads_started: list[tuple[str, int]] = []
         self._next_step_index = 0
         # The one thread that may change the scheduler (docs/design.md, "Threads").
@@ -188,12 +190,15 @@ class Scheduler:
         num_admitted = num_hit_tokens = 0
         if not preempted:
             num_admitted, num_hit_tokens, budget = self._schedule_waiting(scheduled, budget)
+        # Hits that end inside a block: the worker copies their shared blocks before the step.
+        copies, self._copy_retained = manager.take_kv_cache_block_copies()
         output = SchedulerOutput(
             self._next_step_index,
             scheduled,
             preempted,
             self.config.max_num_batched_tokens - budget,
             self._kv_loads_started,
+            copies,
         )
         record = make_step_record(
             output,
@@ -431,6 +436,10 @@ class Scheduler:
             raise RequestStateError(f"step {output.step_index} is not the step awaiting its output")
         live = validate_sampled(output, sampled_token_ids, self.requests)
         manager = self.kv_cache_manager
+        if self._copy_retained:
+            # The step ran, its copies with it: their ends may be reused now.
+            manager.block_pool.free_blocks(self._copy_retained)
+            self._copy_retained = []
         async_caching = self.config.async_caching and manager.enable_caching
         one_token_fast = not self._stop_token_ids
         max_model_len = self.max_model_len
@@ -489,4 +498,5 @@ class Scheduler:
             self.step_records,
             self.config,
             self.kv_cache_manager,
+            self._copy_retained,
         )
