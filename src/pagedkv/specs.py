@@ -7,7 +7,7 @@ size and its worst-case memory per request; the manager class for a spec is chos
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 from typing import ClassVar
 
@@ -32,6 +32,10 @@ class KVCacheSpec:
     """Base spec: one block holds `block_size` tokens of one layer's KV (or one state)."""
 
     block_size: int
+    # Whether decode context parallelism shards this layer's KV across ranks (attention: each
+    # of `dcp_world_size` ranks holds every dcp-th token, so a block covers `block_size *
+    # dcp_world_size` tokens of the sequence); a Mamba state is replicated, never sharded.
+    dcp_sharded: bool = field(default=False, kw_only=True)
 
     kind: ClassVar[str] = "abstract"
     # Whether blocks of this spec may enter the prefix cache.
@@ -74,6 +78,7 @@ class AttentionSpec(KVCacheSpec):
     dtype_bytes: int
     head_size_v: int | None = field(default=None, kw_only=True)
     page_size_padded: int | None = field(default=None, kw_only=True)
+    dcp_sharded: bool = field(default=True, kw_only=True)  # a draft model's may be replicated
 
     def __post_init__(self) -> None:
         _check_positive(
@@ -485,3 +490,32 @@ class KVCacheConfig:
                 f"num_blocks={self.num_blocks}: need at least {minimum} (block 0 is the null "
                 "block, so a usable pool has two or more)"
             )
+
+
+def shard_across_context_parallel_ranks(
+    config: KVCacheConfig, dcp_world_size: int
+) -> KVCacheConfig:
+    """The config as the block manager sees it under decode context parallelism (vLLM 0.33's
+    accounting): a sharded group's block covers `block_size * dcp_world_size` tokens of the
+    sequence (each rank holds `block_size` of them, so the bytes a block takes per rank do not
+    change); replicated groups (Mamba, replicated drafts) keep their block size."""
+    if dcp_world_size == 1:
+        return config
+    groups = tuple(
+        replace(group, kv_cache_spec=_sharded(group.kv_cache_spec, dcp_world_size))
+        if group.kv_cache_spec.dcp_sharded
+        else group
+        for group in config.kv_cache_groups
+    )
+    return replace(config, kv_cache_groups=groups)
+
+
+def _sharded(spec: KVCacheSpec, dcp_world_size: int) -> KVCacheSpec:
+    # A padded page grows with the block (the manager counts blocks, never bytes).
+    if isinstance(spec, AttentionSpec) and spec.page_size_padded is not None:
+        return replace(
+            spec,
+            block_size=spec.block_size * dcp_world_size,
+            page_size_padded=spec.page_size_padded * dcp_world_size,
+        )
+    return replace(spec, block_size=spec.block_size * dcp_world_size)

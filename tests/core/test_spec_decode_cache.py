@@ -105,9 +105,41 @@ def test_max_cache_hit_length_is_checked() -> None:
         manager.get_computed_blocks(request("a", 8), -1)
 
 
-@pytest.mark.parametrize("name", ["dcp_world_size", "pcp_world_size"])
-def test_context_parallelism_is_refused(name) -> None:
-    config = KVCacheConfig(8, [KVCacheGroupSpec(("l",), full(4))])
-    with pytest.raises(ConfigError, match=f"{name}=2: context parallelism is not implemented"):
-        KVCacheManager(config, 64, **{name: 2})
-    KVCacheManager(config, 64, **{name: 1})
+def test_decode_context_parallelism_scales_sharded_blocks() -> None:
+    # vLLM 0.33's accounting: a block of a sharded group covers block_size * dcp tokens (each
+    # of the 4 ranks holds 16 of them); the hash and scheduler blocks are given in those units.
+    config = KVCacheConfig(8, [KVCacheGroupSpec(("l",), full(16))])
+    manager = KVCacheManager(
+        config, 256, scheduler_block_size=64, hash_block_size=64, dcp_world_size=4,
+        enable_kv_cache_events=True,
+    )  # fmt: skip
+    assert manager.coordinator.single_type_managers[0].block_size == 64
+    assert manager.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size == 64
+    hasher = make_request_block_hasher(64)
+    first = Request("a", list(range(130)), block_hasher=hasher)
+    assert manager.allocate_slots(first, 130).get_block_ids() == ([1, 2, 3],)
+    (event,) = manager.take_events()
+    assert (event.block_size, len(event.block_hashes)) == (64, 2)
+    manager.free(first)
+    hits, num_hit, _ = manager.get_computed_blocks(
+        Request("b", list(range(130)), block_hasher=hasher)
+    )
+    assert (hits.get_block_ids(), num_hit) == (([1, 2],), 128)
+
+
+def test_context_parallelism_refuses_what_it_cannot_shard() -> None:
+    hybrid = KVCacheConfig(
+        20, [KVCacheGroupSpec(("f",), full(4)), KVCacheGroupSpec(("w",), swa(4, 8))]
+    )
+    with pytest.raises(ConfigError, match="group 1 is SlidingWindowSpec: decode context"):
+        KVCacheManager(hybrid, 64, dcp_world_size=2)
+    with pytest.raises(ConfigError, match="group 1 is SlidingWindowSpec: prefill context"):
+        KVCacheManager(hybrid, 64, pcp_world_size=2)
+    with pytest.raises(InvalidArgumentError, match="dcp_world_size must be >= 1"):
+        KVCacheManager(hybrid, 64, dcp_world_size=0)
+    # Prefill context parallelism changes no block size.
+    single = KVCacheConfig(8, [KVCacheGroupSpec(("l",), full(4))])
+    assert (
+        KVCacheManager(single, 16, pcp_world_size=2).coordinator.single_type_managers[0].block_size
+        == 4
+    )

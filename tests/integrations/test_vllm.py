@@ -314,8 +314,12 @@ def test_unsupported_layouts_are_refused_at_construction():
     encoder_only = EncoderOnlyAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=DTYPE)
     with pytest.raises(ConfigError, match="encoder-only attention groups"):
         PagedKVCacheManager(config(encoder_only), 64, 4, 4)
-    with pytest.raises(ConfigError, match="dcp_world_size=2"):
+    # Decode context parallelism: a sharded block covers block_size * dcp tokens, which the
+    # scheduler block must be a multiple of (vLLM does not check it; its scheduler passes one).
+    with pytest.raises(ConfigError, match="block size 8 does not divide scheduler_block_size 4"):
         PagedKVCacheManager(config(full(4)), 64, 4, 4, dcp_world_size=2)
+    sharded = PagedKVCacheManager(config(full(4)), 64, 8, 8, dcp_world_size=2)
+    assert sharded.coordinator.single_type_managers[0].block_size == 8
 
 
 def test_scheduler_class_picks_the_async_variant_and_restores_vllms_module():

@@ -43,13 +43,15 @@ def mamba(block_size):
     )
 
 
-def make(cls, num_blocks, specs, hash_block_size, **kwargs):
+def make(cls, num_blocks, specs, hash_block_size, dcp_world_size=1, **kwargs):
     groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    scaled = [spec.block_size * (dcp_world_size if spec.dcp_sharded else 1) for spec in specs]
     return cls(
         config,
         max_model_len=8192,
-        scheduler_block_size=math.lcm(*(spec.block_size for spec in specs)),
+        dcp_world_size=dcp_world_size,
+        scheduler_block_size=math.lcm(*scaled),
         hash_block_size=hash_block_size,
         enable_caching=True,
         enable_kv_cache_events=True,
@@ -116,10 +118,11 @@ def run_both(scenario, *args):
     return transcripts
 
 
-def consumer_scenario(cls, transcript, mamba_block_size):
+def consumer_scenario(cls, transcript, mamba_block_size, dcp_world_size=1):
     # A producer prefills 6 of 7 tokens and finishes; a longer sibling hits 6 tokens, inside
-    # a Mamba block: its state is copied into a private block.
-    manager = make(cls, 24, [full(2), mamba(mamba_block_size)], 2)
+    # a Mamba block: its state is copied into a private block. (Under decode context
+    # parallelism the full-attention blocks cover 2 * dcp tokens and the hit ends in them.)
+    manager = make(cls, 24, [full(2), mamba(mamba_block_size)], 2, dcp_world_size)
     producer = request("p", [0, 0, 1, 1, 2, 2, 3], 2)
     step(manager, producer, 6, transcript)
     transcript.append(("events", event_summary(manager)))
@@ -187,6 +190,15 @@ def test_a_hit_inside_a_mamba_block_is_copied_like_vllms(mamba_block_size):
     assert hit[1] == 6  # three hash blocks, inside the Mamba block
     copies = [entry for entry in paged if entry[0] == "copies" and entry[1]]
     assert len(copies) == 1 and len(copies[0][2]) == 2
+
+
+def test_sub_block_hits_under_decode_context_parallelism_are_vllms():
+    # Full attention sharded over 4 ranks (8-token blocks), Mamba replicated at 2 tokens: the
+    # 6-token hit ends inside a full-attention block, which is copied.
+    reference, paged = run_both(consumer_scenario, 2, 4)
+    assert paged == reference
+    assert next(entry for entry in paged if entry[0] == "hit" and entry[1])[1] == 6
+    assert [entry[1] for entry in paged if entry[0] == "copies" and entry[1]] != []
 
 
 @pytest.mark.parametrize("chunk", [12, 10, 6])

@@ -33,8 +33,13 @@ def make_coordinator(
     scheduler_block_size: int | None = None,
     eviction: EvictionConfig | None = None,
     spec_decode: SpecDecodeConfig = NO_SPEC_DECODE,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
 ) -> KVCacheCoordinator:
-    """Pick the coordinator once: no caching, one group, or a hybrid of several groups."""
+    """Pick the coordinator once: no caching, one group, or a hybrid of several groups.
+
+    `kv_cache_config` is the managers' view (sharded block sizes already scaled by
+    `dcp_world_size`, see `specs.shard_across_context_parallel_ranks`)."""
     args = (
         kv_cache_config,
         max_model_len,
@@ -44,17 +49,23 @@ def make_coordinator(
         max_in_flight_tokens,
         metrics_collector,
     )
+    parallel = (dcp_world_size, pcp_world_size)
     num_groups = len(kv_cache_config.kv_cache_groups)
     if not enable_caching or num_groups == 0:
-        return KVCacheCoordinatorNoPrefixCache(*args, eviction=eviction, spec_decode=spec_decode)
+        return KVCacheCoordinatorNoPrefixCache(
+            *args, eviction=eviction, spec_decode=spec_decode, context_parallel=parallel
+        )
     if num_groups == 1:
-        return UnitaryKVCacheCoordinator(*args, eviction=eviction, spec_decode=spec_decode)
+        return UnitaryKVCacheCoordinator(
+            *args, eviction=eviction, spec_decode=spec_decode, context_parallel=parallel
+        )
 
     return HybridKVCacheCoordinator(
         *args,
         scheduler_block_size=scheduler_block_size,
         eviction=eviction,
         spec_decode=spec_decode,
+        context_parallel=parallel,
     )
 
 

@@ -76,8 +76,11 @@ class KVCacheCoordinator:
         alignment_tokens: int | None = None,
         eviction: EvictionConfig | None = None,
         spec_decode: SpecDecodeConfig = NO_SPEC_DECODE,
+        context_parallel: tuple[int, int] = (1, 1),
     ) -> None:
         self.kv_cache_config = kv_cache_config
+        # Context parallelism: the managers' block sizes are already scaled (their config).
+        self.dcp_world_size, self.pcp_world_size = context_parallel
         self.retention_interval = kv_cache_config.prefix_cache_retention_interval
         """The sparse-retention interval in force (`set_retention_interval`); the config keeps
         the one given at construction."""
@@ -100,6 +103,10 @@ class KVCacheCoordinator:
         in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
         managers = self._make_managers(max_model_len, in_flight, alignment_tokens)
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = managers
+        for manager in managers:
+            sharded = manager.kv_cache_spec.dcp_sharded
+            manager.dcp_world_size = self.dcp_world_size if sharded else 1
+            manager.pcp_world_size = self.pcp_world_size if sharded else 1
         self._is_cross = tuple(isinstance(g.kv_cache_spec, CrossAttentionSpec) for g in groups)
         eagle_group_ids = {i for i, group in enumerate(groups) if group.is_eagle_group}
         if spec_decode.use_eagle and not eagle_group_ids:

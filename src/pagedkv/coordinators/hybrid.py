@@ -67,6 +67,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         scheduler_block_size: int | None = None,
         eviction: EvictionConfig | None = None,
         spec_decode: SpecDecodeConfig = NO_SPEC_DECODE,
+        context_parallel: tuple[int, int] = (1, 1),
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if enable_caching:
@@ -103,6 +104,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             alignment_tokens=self.scheduler_block_size,
             eviction=eviction,
             spec_decode=spec_decode,
+            context_parallel=context_parallel,
         )
         self.enable_partial_hash_hits = enable_caching and self._partial_hits_supported()
         if self.enable_partial_hash_hits:
@@ -140,8 +142,14 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         every other cacheable group can look up at hash-block granularity (or has blocks of
         one hash block)."""
         managers = self.single_type_managers
+        # Under DCP a Mamba block of one hash block qualifies too: the sharded full-attention
+        # blocks are the ones larger than a hash block then.
         if not any(
-            isinstance(manager, MambaAlignManager) and manager.block_size > self.hash_block_size
+            isinstance(manager, MambaAlignManager)
+            and (
+                manager.block_size > self.hash_block_size
+                or (self.dcp_world_size > 1 and manager.block_size >= self.hash_block_size)
+            )
             for manager in managers
         ):
             return False

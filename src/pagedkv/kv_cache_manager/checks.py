@@ -23,7 +23,16 @@ from pagedkv.errors import (
 from pagedkv.kv_cache_blocks import KVCacheBlocks
 from pagedkv.managers import FullAttentionManager, MambaManager, SingleTypeKVCacheManager
 from pagedkv.request import Request, RequestStatus
-from pagedkv.specs import KVCacheConfig, MambaSpec, SlidingWindowSpec, SpecDecodeConfig, cdiv
+from pagedkv.specs import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    SlidingWindowSpec,
+    SpecDecodeConfig,
+    cdiv,
+    shard_across_context_parallel_ranks,
+)
 
 
 def check_count(name: str, value: object, minimum: int = 0) -> None:
@@ -45,26 +54,38 @@ def check_manager_config(
     spec_decode: SpecDecodeConfig,
     dcp_world_size: int,
     pcp_world_size: int,
-) -> tuple[int, int]:
-    """Check a `KVCacheManager`'s arguments; return the resolved scheduler and hash block sizes.
+) -> tuple[KVCacheConfig, int, int]:
+    """Check a `KVCacheManager`'s arguments; return the config the managers see (sharded
+    groups' blocks scaled by `dcp_world_size`) and the resolved scheduler and hash block sizes.
 
-    Block sizes default to the LCM and the GCD of the groups' block sizes.
+    Block sizes default to the LCM and the GCD of the groups' (scaled) block sizes.
     """
     if not isinstance(kv_cache_config, KVCacheConfig):
         raise ConfigError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
     check_count("max_model_len", max_model_len, 1)
     if not isinstance(watermark, (int, float)) or not 0.0 <= watermark < 1.0:
         raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark!r}")
-    for name, world_size in (
-        ("dcp_world_size", dcp_world_size),
-        ("pcp_world_size", pcp_world_size),
-    ):
-        check_count(name, world_size, 1)
-        if world_size != 1:
+    check_count("dcp_world_size", dcp_world_size, 1)
+    check_count("pcp_world_size", pcp_world_size, 1)
+    groups = kv_cache_config.kv_cache_groups
+    for group_id, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        replicated_attention = isinstance(spec, AttentionSpec) and not spec.dcp_sharded
+        if pcp_world_size > 1 and not (isinstance(spec, FullAttentionSpec) or replicated_attention):
             raise ConfigError(
-                f"{name}={world_size}: context parallelism is not implemented in pagedkv "
-                "(only 1 is supported)"
+                f"group {group_id} is {type(spec).__name__}: prefill context parallelism "
+                "supports full attention and replicated draft groups only"
             )
+        if (
+            dcp_world_size > 1
+            and len(groups) > 1
+            and not (isinstance(spec, (FullAttentionSpec, MambaSpec)) or not spec.dcp_sharded)
+        ):
+            raise ConfigError(
+                f"group {group_id} is {type(spec).__name__}: decode context parallelism with "
+                "hybrid layouts supports full-attention, Mamba and replicated draft groups only"
+            )
+    kv_cache_config = shard_across_context_parallel_ranks(kv_cache_config, dcp_world_size)
     groups = kv_cache_config.kv_cache_groups
     # A scratch ring's block size (its capacity) is no part of the token lattice.
     lattice = [(i, g.kv_cache_spec.block_size) for i, g in enumerate(groups)
@@ -91,7 +112,7 @@ def check_manager_config(
         check_count("max_in_flight_tokens", max_in_flight_tokens, 1)
     _check_spec_decode(kv_cache_config, scheduler_block_size, enable_caching, spec_decode)
     _check_retention_interval(kv_cache_config, scheduler_block_size)
-    return scheduler_block_size, hash_block_size
+    return kv_cache_config, scheduler_block_size, hash_block_size
 
 
 def check_host_tier_layout(

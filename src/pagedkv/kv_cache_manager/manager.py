@@ -67,12 +67,16 @@ class KVCacheManager:
         eviction: the eviction policy (a name from `pagedkv.eviction.EVICTION_POLICY_NAMES`) or an
             `EvictionConfig` with retention and a host-memory tier; default plain LRU.
         use_eagle, num_prefill_lookahead, num_hash_lookahead_tokens: see `SpecDecodeConfig`.
-        dcp_world_size, pcp_world_size: context parallelism; only 1 is implemented.
+        dcp_world_size, pcp_world_size: context parallelism as vLLM 0.33 accounts it: a block
+            of a group `dcp_sharded` across `dcp_world_size` ranks covers `block_size *
+            dcp_world_size` tokens (`kv_cache_config` then holds the scaled specs; Mamba states
+            are replicated and keep theirs); prefill context parallelism needs full-attention
+            (or replicated) groups and changes no block size.
         """
         spec_decode = SpecDecodeConfig(
             bool(use_eagle), num_prefill_lookahead, num_hash_lookahead_tokens
         )
-        scheduler_block_size, hash_block_size = check_manager_config(
+        kv_cache_config, scheduler_block_size, hash_block_size = check_manager_config(
             kv_cache_config,
             max_model_len,
             scheduler_block_size,
@@ -97,6 +101,8 @@ class KVCacheManager:
         self.num_kv_cache_groups = len(groups)
         self.watermark = watermark
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.dcp_world_size = dcp_world_size
+        self.pcp_world_size = pcp_world_size
         self.coordinator = make_coordinator(
             kv_cache_config,
             max_model_len,
@@ -108,6 +114,8 @@ class KVCacheManager:
             scheduler_block_size,
             eviction=as_eviction_config(eviction),
             spec_decode=spec_decode,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
         )
         self.spec_decode = spec_decode
         self.use_eagle = spec_decode.use_eagle

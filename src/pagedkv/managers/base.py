@@ -72,6 +72,10 @@ class SingleTypeKVCacheManager:
         self.new_block_ids: list[int] | None = [] if record_new_block_ids else None
         self._null_block = block_pool.null_block
         self.registers_partial_tails = False
+        # Context-parallel ranks this group's blocks are sharded over (set by the coordinator;
+        # `block_size` already counts all of them).
+        self.dcp_world_size = 1
+        self.pcp_world_size = 1
         self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
         self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
 

@@ -59,6 +59,7 @@ def _attention_fields(spec: VllmAttentionSpec) -> dict:
         "head_size": spec.head_size,
         "dtype_bytes": _dtype_bytes(spec.dtype),
         "head_size_v": spec.head_size_v,
+        "dcp_sharded": spec.dcp_sharded,
     }
 
 

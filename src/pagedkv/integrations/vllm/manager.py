@@ -67,9 +67,8 @@ class PagedKVCacheManager:
     Invariant: `core` owns every block; this class keeps only vLLM-facing state (the
     `PrefixCacheStats` object and the event metadata) and never changes a block itself.
     Not supported (refused at construction): decode/prefill context parallelism > 1 and the
-    spec types `config.translate_spec` lists. Accepted and off: the Mamba shared-prefix
-    checkpoint (vLLM turns it off itself without sub-block hash hits, which pagedkv lacks; a
-    request for it logs one warning).
+    spec types `config.translate_spec` lists. The Mamba shared-prefix checkpoint is narrowed
+    as vLLM narrows it (an EAGLE Mamba "align" model with sub-block hash hits).
     """
 
     def __init__(

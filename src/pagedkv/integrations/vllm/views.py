@@ -231,18 +231,6 @@ class BlockView:
 
     _block_hash = block_hash
 
-    @property
-    def block_hash_num_tokens(self) -> int | None:
-        try:
-            # getattr by name: the core's blocks may or may not carry it (sub-block hits).
-            num_tokens: int | None = getattr(self._block, "block_hash_num_tokens")  # noqa: B009
-            return num_tokens
-        except AttributeError:
-            raise AttributeError(
-                "block_hash_num_tokens: pagedkv's blocks do not record how many prefix tokens "
-                "their hash covers (it comes with sub-block hash hits; docs/vllm.md)"
-            ) from None
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self._block, name)
 
