@@ -22,7 +22,12 @@ from pagedkv.errors import (
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagedkv.free_queue import FreeKVCacheBlockQueue
 from pagedkv.hashing import BlockHasher, RequestBlockHasher, make_request_block_hasher
-from pagedkv.kv_cache_manager import ComputedBlocks, KVCacheBlocks, KVCacheManager
+from pagedkv.kv_cache_manager import (
+    ComputedBlocks,
+    KVCacheBlockCopy,
+    KVCacheBlocks,
+    KVCacheManager,
+)
 from pagedkv.request import LoRARequest, MultiModalFeature, Request, RequestStatus
 from pagedkv.specs import (
     ChunkedLocalAttentionSpec,
@@ -64,6 +69,7 @@ __all__ = [
     "InvalidTypeError",
     "InvariantViolation",
     "KVCacheBlock",
+    "KVCacheBlockCopy",
     "KVCacheBlocks",
     "KVCacheConfig",
     "KVCacheGroupSpec",

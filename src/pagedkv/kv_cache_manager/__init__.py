@@ -6,7 +6,7 @@ live in `pagedkv.kv_cache_blocks`, below the coordinators that build them.
 """
 
 from pagedkv.block_pool import BlockResidencyObserver
-from pagedkv.kv_cache_blocks import ComputedBlocks, DecodeSlots, KVCacheBlocks
+from pagedkv.kv_cache_blocks import ComputedBlocks, DecodeSlots, KVCacheBlockCopy, KVCacheBlocks
 from pagedkv.kv_cache_manager.checks import (
     AllocationChecker,
     check_count,
@@ -21,6 +21,7 @@ __all__ = [
     "BlockResidencyObserver",
     "ComputedBlocks",
     "DecodeSlots",
+    "KVCacheBlockCopy",
     "KVCacheBlocks",
     "KVCacheManager",
     "annotate_block_stored",
