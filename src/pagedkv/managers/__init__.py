@@ -12,7 +12,8 @@ from pagedkv.managers.chunked_local import ChunkedLocalAttentionManager
 from pagedkv.managers.circular_buffer import CircularBufferManager
 from pagedkv.managers.cross_attention import CrossAttentionManager
 from pagedkv.managers.full_attention import FullAttentionManager
-from pagedkv.managers.mamba import MambaAlignManager, MambaManager, MambaNoCacheManager
+from pagedkv.managers.mamba import MambaManager, MambaNoCacheManager
+from pagedkv.managers.mamba_align import MambaAlignManager
 from pagedkv.managers.rswa import RSWAManager
 from pagedkv.managers.sliding_window import SlidingWindowManager
 from pagedkv.specs import (
