@@ -585,6 +585,7 @@ class BlockPool:
         kv_cache_group_id: int,
         block_size: int,
         replace_existing_hashes: bool = False,
+        parent: KVCacheBlock | None = None,
     ) -> BlockHash | None:
         """Make `block` reachable from the prefix boundary at `num_tokens` (a sub-block, or
         "partial", entry of vLLM 0.33): its key is the request's hash at that boundary.
@@ -594,7 +595,8 @@ class BlockPool:
         further key; a primary hash covering fewer tokens is dropped first (with its keys), and
         so is every key with `replace_existing_hashes` (the block's contents were replaced).
         One `BlockStored` for the hash block ending at `num_tokens`, unless the block already
-        had this key. Returns the key, or None for the null block.
+        had this key. `parent`: the block before it in the request's table, for an eviction
+        policy that orders a prefix's blocks. Returns the key, or None for the null block.
         """
         owner = self.owner_thread
         if get_ident() != owner.thread_id:
@@ -641,7 +643,7 @@ class BlockPool:
             num_tokens,
         )
         if not was_cached and self.eviction_policy is not None:
-            self.eviction_policy.note_cached(block, None, num_tokens)
+            self.eviction_policy.note_cached(block, parent, num_tokens)
         if added and self.enable_kv_cache_events:
             self.kv_event_queue.append(
                 partial_block_stored_event(

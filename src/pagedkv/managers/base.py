@@ -311,7 +311,12 @@ class SingleTypeKVCacheManager:
         position = boundary // self.block_size
         if position < len(blocks):
             self.block_pool.cache_partial_block(
-                request, blocks[position], boundary, self.kv_cache_group_id, self.block_size
+                request,
+                blocks[position],
+                boundary,
+                self.kv_cache_group_id,
+                self.block_size,
+                parent=blocks[position - 1] if position else None,
             )
 
     def reachable_block_mask(
