@@ -124,13 +124,13 @@ class HybridMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.prompts)
     @rule(index=st.integers(0, 15), extra=st.lists(st.integers(0, 3), min_size=1, max_size=6))
-    def arrive_sibling(self, index: int, extra: list[int], chunk: int = 48) -> None:
+    def arrive_sibling(self, index: int, extra: list[int]) -> None:
         """A request extending an earlier prompt: it can hit where that prompt's tail was
         entered (inside a block: a sub-block hit and a copy)."""
         self.num_requests += 1
         tokens = self.prompts[index % len(self.prompts)] + extra
         request = make_request(f"r{self.num_requests}", tokens, HASH_BLOCK_SIZE)
-        if not self._admit(request, chunk):
+        if not self._admit(request, request.num_tokens):
             self.waiting.append(request)
 
     @rule(prefix=st.integers(0, 2), prefix_len=st.integers(1, 40))

@@ -211,7 +211,9 @@ class SingleTypeKVCacheManager:
         """`allocate_new_blocks` for a request whose hit ends inside a block: the shared tail
         is replaced in the table by a private copy first (counted by
         `get_num_blocks_to_allocate`)."""
-        position, source = self._partial_hit_reqs.pop(request_id)
+        position, source = self._partial_hit_reqs[request_id]
+        self._check_shared_tail(request_id, position, source)  # before any block moves
+        del self._partial_hit_reqs[request_id]
         copy = self.block_pool.get_new_blocks(1)[0]
         self._apply_cow(request_id, position, source, copy)
         if self.new_block_ids is not None:
@@ -231,15 +233,18 @@ class SingleTypeKVCacheManager:
     ) -> None:
         """Table `copy` at `position` instead of the shared `source` and queue the copy; both
         keep a reference until it has run (`source` its hit's, `copy` one more)."""
-        req_blocks = self.req_to_blocks[request_id]
-        if req_blocks[position] is not source or source.ref_cnt <= 0:
+        self._check_shared_tail(request_id, position, source)
+        self.req_to_blocks[request_id][position] = copy
+        self._pending_cow_copies.append((source, copy))
+        copy.ref_cnt += 1
+
+    def _check_shared_tail(self, request_id: str, position: int, source: KVCacheBlock) -> None:
+        req_blocks = self.req_to_blocks.get(request_id, EMPTY_BLOCK_LIST)
+        if position >= len(req_blocks) or req_blocks[position] is not source or source.ref_cnt <= 0:
             raise InvariantViolation(
                 f"request {request_id!r}: position {position} no longer holds its hit's "
                 f"block {source.block_id}"
             )
-        req_blocks[position] = copy
-        self._pending_cow_copies.append((source, copy))
-        copy.ref_cnt += 1
 
     def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
         """Drain the `(source, copy)` pairs queued since the last call, oldest first; the

@@ -194,7 +194,10 @@ class MambaAlignManager(MambaManager):
         num_spec = self.num_speculative_blocks
         num_required = cdiv(num_tokens, self.block_size) + num_spec
         checkpoint_block = 1 if request_id in self._checkpoints else 0
-        partial_hit = self._partial_hit_reqs.pop(request_id, None)
+        partial_hit = self._partial_hit_reqs.get(request_id)
+        if partial_hit is not None:
+            self._check_shared_tail(request_id, *partial_hit)  # before any block moves
+            del self._partial_hit_reqs[request_id]
         if num_required <= len(req_blocks) and partial_hit is None and not checkpoint_block:
             self._allocated_block_reqs.add(request_id)
             return EMPTY_BLOCK_LIST
