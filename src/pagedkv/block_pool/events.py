@@ -138,44 +138,28 @@ def block_stored_event(
 
 def partial_block_stored_event(
     request: Request,
+    block: KVCacheBlock,
     num_hash_blocks: int,
     hash_block_size: int,
     group_id: int,
     num_lookahead_tokens: int,
     medium: str,
 ) -> BlockStored:
-    """The event of a sub-block entry at `num_hash_blocks * hash_block_size` tokens: the hash
-    block ending there, as one block of `hash_block_size` tokens (the reference's form)."""
+    """The event of a sub-block entry of `block` at `num_hash_blocks * hash_block_size` tokens:
+    the hash block ending there, as one stored block of `hash_block_size` tokens (the
+    reference's form)."""
     block_hashes = request.block_hashes
-    end_token = num_hash_blocks * hash_block_size
-    start_token = end_token - hash_block_size
-    extra_keys = None
-    if request.has_extra_keys:
-        hashed = cast(HashedRequest, request)
-        keys, _ = generate_block_hash_extra_keys(
-            hashed, start_token, end_token + num_lookahead_tokens, 0
-        )
-        extra_keys = [to_event_extra_keys(keys)]
-    else:
-        extra_keys = [None]
-    lookahead_token_ids = None
-    if num_lookahead_tokens:
-        lookahead_token_ids = [request.all_token_ids[end_token : end_token + num_lookahead_tokens]]
-    lora = request.lora_request
-    return BlockStored(
-        [block_hashes[num_hash_blocks - 1]],
-        block_hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None,
-        request.all_token_ids[start_token:end_token],
+    return block_stored_event(
+        request,
+        block_hashes,
+        [block],
+        block_hashes[num_hash_blocks - 1 : num_hash_blocks],
+        (),
+        num_hash_blocks - 1,
+        num_hash_blocks,
         hash_block_size,
-        lora.adapter_id if lora is not None else None,
-        medium,
-        lora.name if lora is not None else None,
-        extra_keys,
         group_id,
+        num_lookahead_tokens,
+        medium,
         None,
-        None,
-        None,
-        None,
-        request.session_id,
-        lookahead_token_ids,
     )

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pagedkv.block import BlockHash, KVCacheBlock
 from pagedkv.block_pool.checks import check_pool_args, check_pool_invariants
-from pagedkv.block_pool.entries import drop_key, insert_key, remove_keys
+from pagedkv.block_pool.entries import drop_key, holds_key, insert_key, remove_keys
 from pagedkv.block_pool.events import block_stored_event, partial_block_stored_event
 from pagedkv.errors import ForeignBlockError, InvalidArgumentError, InvariantViolation
 from pagedkv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
@@ -422,12 +422,16 @@ class BlockPool:
         self._remove_cached_block_hashes(block)
         return True
 
-    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[BlockHash]:
-        """Take `block` out of the cache under every key (one `BlockRemoved` each); return the
-        keys removed. Ref count and free-queue place stay."""
-        group_id = block.hash_group_id
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> None:
+        """Take a held `block` out of the cache under every key (telling an eviction policy
+        first); its ref count stays."""
         if block.block_hash is not None and self.eviction_policy is not None:
             self.eviction_policy.on_uncached(block)
+        self._drop_keys(block)
+
+    def _drop_keys(self, block: KVCacheBlock) -> None:
+        """Remove every key of `block` from its group's map, one `BlockRemoved` each."""
+        group_id = block.hash_group_id
         keys = remove_keys(
             self.hash_to_block[group_id],
             self._duplicates[group_id],
@@ -439,7 +443,6 @@ class BlockPool:
             if self.enable_kv_cache_events:
                 for key in keys:
                     self.kv_event_queue.append(BlockRemoved([key], self.medium, group_id))
-        return keys
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Drop `block`'s prefix-cache entries if it has any; return whether it had."""
@@ -450,16 +453,7 @@ class BlockPool:
         if self.metrics_collector is not None:
             self.metrics_collector.on_block_evicted(block)
         if self.extra_block_hashes and block.block_id in self.extra_block_hashes:
-            keys = remove_keys(
-                self.hash_to_block[group_id],
-                self._duplicates[group_id],
-                self.extra_block_hashes,
-                block,
-            )
-            self.eviction_epoch += 1
-            if self.enable_kv_cache_events:
-                for key in keys:
-                    self.kv_event_queue.append(BlockRemoved([key], self.medium, group_id))
+            self._drop_keys(block)
             return True
         hash_map = self.hash_to_block[group_id]
         duplicates = self._duplicates[group_id]
@@ -628,8 +622,7 @@ class BlockPool:
         elif (
             block.block_hash is not None
             and block.hash_num_tokens < num_tokens
-            and block.block_hash != block_hash
-            and block_hash not in self.extra_block_hashes.get(block.block_id, ())
+            and not holds_key(self.extra_block_hashes, block, block_hash)
         ):
             self._remove_cached_block_hashes(block)  # the block now holds a longer prefix
         was_cached = block.block_hash is not None
@@ -648,6 +641,7 @@ class BlockPool:
             self.kv_event_queue.append(
                 partial_block_stored_event(
                     request,
+                    block,
                     num_hash_blocks,
                     hash_block_size,
                     group_id,

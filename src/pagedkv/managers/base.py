@@ -218,22 +218,14 @@ class SingleTypeKVCacheManager:
         self._apply_cow(request_id, position, source, copy)
         if self.new_block_ids is not None:
             self.new_block_ids.append(copy.block_id)
-        req_blocks = self.req_to_blocks[request_id]
-        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
-        if num_new <= 0:
-            return [copy]
-        new_blocks = self.block_pool.get_new_blocks(num_new)
-        req_blocks.extend(new_blocks)
-        if self.new_block_ids is not None:
-            self.new_block_ids.extend(block.block_id for block in new_blocks)
-        return [copy, *new_blocks]
+        return [copy, *self.allocate_new_blocks(request_id, num_tokens)]  # the plain path now
 
     def _apply_cow(
         self, request_id: str, position: int, source: KVCacheBlock, copy: KVCacheBlock
     ) -> None:
-        """Table `copy` at `position` instead of the shared `source` and queue the copy; both
-        keep a reference until it has run (`source` its hit's, `copy` one more)."""
-        self._check_shared_tail(request_id, position, source)
+        """Table `copy` at `position` instead of the shared `source` (the caller checked it is
+        there, `_check_shared_tail`) and queue the copy; both keep a reference until it has run
+        (`source` its hit's, `copy` one more)."""
         self.req_to_blocks[request_id][position] = copy
         self._pending_cow_copies.append((source, copy))
         copy.ref_cnt += 1

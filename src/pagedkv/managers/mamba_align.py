@@ -467,22 +467,21 @@ class MambaAlignManager(MambaManager):
                 mask[block_index - start_block] = True
         return mask
 
-    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+    def _forget_request(self, request_id: str) -> None:
+        """Drop the request's per-request state (its blocks go back to the pool next)."""
         self._withdraw_offers(request_id)
         self._producer_partial_tail_reqs.pop(request_id, None)
         self._checkpoints.pop(request_id, None)
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self._num_retired_blocks.pop(request_id, None)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        self._forget_request(request_id)
         return super().pop_blocks_for_free(request_id)
 
     def free(self, request_id: str) -> None:
-        self._withdraw_offers(request_id)
-        self._producer_partial_tail_reqs.pop(request_id, None)
-        self._checkpoints.pop(request_id, None)
-        self._allocated_block_reqs.discard(request_id)
-        self.last_state_block_idx.pop(request_id, None)
-        self._num_retired_blocks.pop(request_id, None)
+        self._forget_request(request_id)
         super().free(request_id)
 
     def new_step_starts(self) -> None:
